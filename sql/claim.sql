@@ -1,0 +1,184 @@
+-- Claim and completion: the only writers of running jobs and their attempts.
+--
+-- Lock order, everywhere: the job row first (FOR UPDATE), then its attempt. Every change to an
+-- attempt happens while its job's row is locked, so a statement that runs after taking that lock
+-- reads the attempt's latest committed state (READ COMMITTED takes a new snapshot per statement).
+
+-- holds_slot: the slot of lane p_lane_id that the calling session holds at session level, or NULL.
+-- Exact and local, without reading pg_locks: the transaction-level try-lock pins the slot (it succeeds
+-- only if the slot is free or ours), the session-level unlock then says whether we held it at
+-- session level, and the re-lock gives it back while the pin keeps every waiting standby out.
+-- A transaction-level or shared lock is not a slot. If the statement is cancelled between unlock
+-- and re-lock, the session has lost its slot and every later claim is refused: it fails safe.
+CREATE OR REPLACE FUNCTION pglane.holds_slot(p_lane_id integer, p_slots integer) RETURNS integer
+LANGUAGE plpgsql AS $$
+BEGIN
+    FOR s IN 1 .. p_slots LOOP
+        IF pg_try_advisory_xact_lock(p_lane_id, s) THEN
+            IF pg_advisory_unlock(p_lane_id, s) THEN
+                PERFORM pg_advisory_lock(p_lane_id, s);
+                RETURN s;
+            END IF;
+        END IF;
+    END LOOP;
+    RETURN NULL;
+END $$;
+
+-- claim: take the lane's oldest eligible queued job for the calling session, which must hold a slot
+-- of the lane (raises PGL06 otherwise). One short transaction: the job becomes running, its attempt
+-- row records the session identity (pid + backend_start) that recovery later checks, and the lane's
+-- gapless seq is bumped under the counters row lock. SKIP LOCKED lets several slots claim at once
+-- without waiting on each other's candidate rows. Returns no row when nothing is eligible.
+CREATE OR REPLACE FUNCTION pglane.claim(p_lane text, p_worker text)
+RETURNS TABLE (job_id bigint, attempt_id bigint, attempt_number integer, seq bigint, lane text,
+               payload jsonb, idempotency_key text, lease_expires_at timestamptz)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    v_lane    pglane.lanes;
+    v_job     bigint;
+    v_seq     bigint;
+    v_number  integer;
+    v_payload jsonb;
+    v_key     text;
+    v_attempt bigint;
+    v_lease   timestamptz;
+BEGIN
+    SELECT * INTO v_lane FROM pglane.lanes l WHERE l.name = p_lane;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'PGL01', MESSAGE = format('unknown lane %L', p_lane),
+            HINT = 'create it first: pglane lane create NAME';
+    END IF;
+    IF pglane.holds_slot(v_lane.id, v_lane.slots) IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'PGL06',
+            MESSAGE = format('this session holds no slot of lane %L, so it may not claim', p_lane),
+            HINT = 'take a slot first with pg_advisory_lock(lane id, slot number), as pglane worker does';
+    END IF;
+
+    SELECT j.id INTO v_job
+      FROM pglane.jobs j
+     WHERE j.lane = p_lane AND j.status = 'queued' AND j.run_after <= now()
+     ORDER BY j.created_at, j.id
+     LIMIT 1
+       FOR UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+
+    UPDATE pglane.lane_counters c
+       SET last_seq = c.last_seq + 1,
+           queued = c.queued - (v_lane.max_queued IS NOT NULL)::integer
+     WHERE c.lane_id = v_lane.id
+    RETURNING c.last_seq INTO v_seq;
+
+    UPDATE pglane.jobs j
+       SET status = 'running', started_at = now(), attempts = j.attempts + 1, seq = v_seq
+     WHERE j.id = v_job
+    RETURNING j.attempts, j.payload, j.idempotency_key INTO v_number, v_payload, v_key;
+
+    v_lease := now() + v_lane.lease_timeout;
+    INSERT INTO pglane.attempts AS a
+           (job_id, attempt_number, worker, backend_pid, backend_start, lease_expires_at, seq)
+    SELECT v_job, v_number, p_worker, pg_backend_pid(), s.backend_start, v_lease, v_seq
+      FROM pg_stat_get_activity(pg_backend_pid()) s
+    RETURNING a.id INTO v_attempt;
+
+    job_id := v_job; attempt_id := v_attempt; attempt_number := v_number; seq := v_seq;
+    lane := p_lane; payload := v_payload; idempotency_key := v_key; lease_expires_at := v_lease;
+    RETURN NEXT;
+END $$;
+
+-- complete: store the result of attempt p_attempt_id; true if it was accepted.
+-- Guard: the attempt must be its job's latest, and either still running on a running job, or marked
+-- lost by recovery with the job failed or back in the queue and no newer attempt (a late result:
+-- the paid output is kept). Anything else (a newer attempt exists, the job was cancelled, the
+-- attempt already finished) returns false and changes nothing.
+CREATE OR REPLACE FUNCTION pglane.complete(p_attempt_id bigint, p_result jsonb DEFAULT NULL)
+RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_job pglane.jobs;
+BEGIN
+    SELECT j.* INTO v_job FROM pglane.jobs j
+     WHERE j.id = (SELECT a.job_id FROM pglane.attempts a WHERE a.id = p_attempt_id)
+       FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+
+    UPDATE pglane.attempts a
+       SET status = 'done', finished_at = now(),
+           error = CASE WHEN a.status = 'lost'
+                        THEN 'late result accepted after recovery had marked this attempt lost: ' || a.error
+                   END
+     WHERE a.id = p_attempt_id AND a.attempt_number = v_job.attempts
+       AND ((a.status = 'running' AND v_job.status = 'running')
+            OR (a.status = 'lost' AND v_job.status IN ('failed', 'queued')));
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+
+    UPDATE pglane.jobs j
+       SET status = 'done', finished_at = now(), result = p_result
+     WHERE j.id = v_job.id;
+    IF v_job.status = 'queued' THEN
+        PERFORM pglane.queue_delta(v_job.lane, -1);
+    END IF;
+    RETURN true;
+END $$;
+
+-- fail: record that attempt p_attempt_id failed (or timed out); true if it was accepted.
+-- Same guard as complete for a running attempt. The job goes back to the queue after the lane's
+-- retry_backoff (doubling per attempt, capped at one hour) while attempts remain, else it is failed.
+CREATE OR REPLACE FUNCTION pglane.fail(p_attempt_id bigint, p_error text, p_timed_out boolean DEFAULT false)
+RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_job  pglane.jobs;
+    v_lane pglane.lanes;
+BEGIN
+    SELECT j.* INTO v_job FROM pglane.jobs j
+     WHERE j.id = (SELECT a.job_id FROM pglane.attempts a WHERE a.id = p_attempt_id)
+       FOR UPDATE;
+    IF NOT FOUND OR v_job.status <> 'running' THEN
+        RETURN false;
+    END IF;
+
+    UPDATE pglane.attempts a
+       SET status = CASE WHEN p_timed_out THEN 'timed_out' ELSE 'failed' END,
+           finished_at = now(), error = p_error
+     WHERE a.id = p_attempt_id AND a.attempt_number = v_job.attempts AND a.status = 'running';
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+
+    SELECT * INTO v_lane FROM pglane.lanes l WHERE l.name = v_job.lane;
+    IF v_job.attempts < v_lane.max_attempts THEN
+        UPDATE pglane.jobs j
+           SET status = 'queued', last_error = p_error,
+               run_after = now() + least(v_lane.retry_backoff * 2 ^ (v_job.attempts - 1), interval '1 hour')
+         WHERE j.id = v_job.id;
+        PERFORM pglane.queue_delta(v_job.lane, 1);
+    ELSE
+        UPDATE pglane.jobs j
+           SET status = 'failed', finished_at = now(), last_error = p_error
+         WHERE j.id = v_job.id;
+    END IF;
+    RETURN true;
+END $$;
+
+-- complete_and_claim: the worker's fast path: complete attempt p_attempt_id and claim the lane's next
+-- job in one round trip and one commit. Same guards as complete() and claim(); `completed` says
+-- whether the result was accepted, the other columns are the next job (NULL when none is eligible).
+CREATE OR REPLACE FUNCTION pglane.complete_and_claim(p_attempt_id bigint, p_result jsonb, p_lane text, p_worker text)
+RETURNS TABLE (completed boolean, job_id bigint, attempt_id bigint, attempt_number integer, seq bigint,
+               lane text, payload jsonb, idempotency_key text, lease_expires_at timestamptz)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+BEGIN
+    completed := pglane.complete(p_attempt_id, p_result);
+    SELECT c.job_id, c.attempt_id, c.attempt_number, c.seq, c.lane, c.payload, c.idempotency_key, c.lease_expires_at
+      INTO job_id, attempt_id, attempt_number, seq, lane, payload, idempotency_key, lease_expires_at
+      FROM pglane.claim(p_lane, p_worker) c;
+    RETURN NEXT;
+END $$;

@@ -1,0 +1,54 @@
+-- Lanes: the counters row each lane needs, and the recount when a lane becomes bounded.
+
+-- lanes_after_insert: every lane gets its counters row in the same transaction, so claim() and the
+-- bound check can rely on it existing.
+CREATE OR REPLACE FUNCTION pglane.lanes_after_insert() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO pglane.lane_counters (lane_id) VALUES (NEW.id);
+    RETURN NULL;
+END $$;
+
+DROP TRIGGER IF EXISTS lanes_after_insert ON pglane.lanes;
+CREATE TRIGGER lanes_after_insert AFTER INSERT ON pglane.lanes
+    FOR EACH ROW EXECUTE FUNCTION pglane.lanes_after_insert();
+
+-- lanes_before_update: lane names are the jobs' foreign key and ids are lock keys: neither changes.
+-- When max_queued goes from unset to set, the queued counter (maintained only for bounded lanes) is
+-- recounted under the counters row lock.
+CREATE OR REPLACE FUNCTION pglane.lanes_before_update() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.name IS DISTINCT FROM OLD.name THEN
+        RAISE EXCEPTION USING ERRCODE = 'PGL10',
+            MESSAGE = format('lane %L cannot be renamed', OLD.name),
+            HINT = 'create a new lane; jobs and lock keys refer to this one';
+    END IF;
+    IF OLD.max_queued IS NULL AND NEW.max_queued IS NOT NULL THEN
+        UPDATE pglane.lane_counters c
+           SET queued = (SELECT count(*) FROM pglane.jobs j WHERE j.lane = NEW.name AND j.status = 'queued')
+         WHERE c.lane_id = NEW.id;
+    END IF;
+    RETURN NEW;
+END $$;
+
+DROP TRIGGER IF EXISTS lanes_before_update ON pglane.lanes;
+CREATE TRIGGER lanes_before_update BEFORE UPDATE ON pglane.lanes
+    FOR EACH ROW EXECUTE FUNCTION pglane.lanes_before_update();
+
+-- queue_delta: keep a bounded lane's queued counter right when a job enters or leaves the queue
+-- other than by insert or claim (requeue, retry, cancel, a late result). Caller holds the job's row lock.
+CREATE OR REPLACE FUNCTION pglane.queue_delta(p_lane text, p_delta integer) RETURNS void
+LANGUAGE sql AS $$
+    UPDATE pglane.lane_counters c SET queued = c.queued + p_delta
+      FROM pglane.lanes l
+     WHERE l.name = p_lane AND c.lane_id = l.id AND l.max_queued IS NOT NULL;
+$$;
+
+-- notify_lane: wake the lane's listening workers. The channel is derived from the lane's id, never
+-- from its name; the payload is empty (no job data). Identical notifications in one transaction fold
+-- into one, so a transaction wakes each lane at most once.
+CREATE OR REPLACE FUNCTION pglane.notify_lane(p_lane_id integer) RETURNS void
+LANGUAGE sql AS $$
+    SELECT pg_notify('pglane_' || p_lane_id, '');
+$$;
