@@ -11,9 +11,11 @@ views of ``sql/`` are applied by those migrations, in the order of ``SQL_FILES``
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import psycopg
 from psycopg import sql
+from psycopg.rows import tuple_row
 
 from .errors import SchemaError
 
@@ -78,18 +80,17 @@ def downgrade(dsn: str, revision: str = "base") -> None:
                 conn.execute(sql.SQL("DROP SCHEMA pglane CASCADE"))
 
 
-def current_revision(conn: psycopg.Connection[object]) -> str | None:
+def current_revision(conn: psycopg.Connection[Any]) -> str | None:
     """The revision the connected database is at, or None when pglane was never migrated there."""
-    row = conn.execute(
-        "SELECT to_regclass('pglane.alembic_version') IS NOT NULL"
-    ).fetchone()
+    cur = conn.cursor(row_factory=tuple_row)
+    row = cur.execute("SELECT to_regclass('pglane.alembic_version') IS NOT NULL").fetchone()
     if row is None or not row[0]:
         return None
-    version = conn.execute("SELECT version_num FROM pglane.alembic_version").fetchone()
+    version = cur.execute("SELECT version_num FROM pglane.alembic_version").fetchone()
     return None if version is None else str(version[0])
 
 
-def require_current(conn: psycopg.Connection[object]) -> None:
+def require_current(conn: psycopg.Connection[Any]) -> None:
     """Raise SchemaError unless the database is at HEAD."""
     revision = current_revision(conn)
     if revision != HEAD:

@@ -188,7 +188,12 @@ def test_as_root_nothing_outside_the_data_dir_changes(tmp_path: pathlib.Path) ->
 def test_userns_module_runs_the_program_as_nobody() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "pglane.userns", "/usr/bin/id", "-u"],
-        capture_output=True, text=True, cwd=REPO, env=_subprocess_env(), check=True, timeout=30,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=_subprocess_env(),
+        check=True,
+        timeout=30,
     ).stdout
     assert out.strip() == str(pwd.getpwnam("nobody").pw_uid)
 
@@ -200,7 +205,11 @@ def test_pg_ctl_wrapper_lets_root_query_the_server(server: EmbeddedServer) -> No
     env["PGLANE_REAL_PG_CTL"] = str(pgbin.find_bindir() / "pg_ctl")
     result = subprocess.run(
         [str(REPO / "tests" / "pg_ctl_as_root.sh"), "status", "-D", str(server.data_dir)],
-        capture_output=True, text=True, cwd=REPO, env=env, timeout=30,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=30,
     )
     assert result.returncode == 0, result.stderr
     assert "server is running" in result.stdout
@@ -222,7 +231,11 @@ def test_as_root_without_user_namespaces_the_error_says_what_to_do() -> None:
     shell = 'echo 0 > /proc/sys/user/max_user_namespaces && exec "$0" -c "$1"'
     result = subprocess.run(
         ["unshare", "-r", "sh", "-c", shell, sys.executable, script],
-        capture_output=True, text=True, cwd=REPO, env=_subprocess_env(), timeout=30,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=_subprocess_env(),
+        timeout=30,
     )
     if result.returncode != 0 and "max_user_namespaces" in result.stderr:
         pytest.skip(f"cannot limit user namespaces here: {result.stderr.strip()}")

@@ -1,0 +1,246 @@
+"""The command line (DESIGN §7). It uses only the public API; every PglaneError becomes one line on
+stderr that says what was wrong and what to do, with exit status 1 (2 for usage and settings)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+
+from . import client, schema, timing
+from .errors import ConfigurationError, PglaneError
+
+
+def _table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    def cell(value: Any) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, timedelta):
+            return f"{value.total_seconds():.1f}s"
+        text = str(value)
+        return text if len(text) <= 100 else text[:97] + "..."
+
+    body = [[cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(b[i]) for b in body]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(b, widths, strict=True)) for b in body]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, default=str, indent=2)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds")
+    return value
+
+
+def _payload(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(
+            f"payload is not valid JSON ({exc.msg} at column {exc.colno}); quote it, e.g. '{{\"q\": 1}}'"
+        ) from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pglane", description="A PostgreSQL job queue for scarce, expensive work.")
+    p.add_argument("--dsn", help="libpq DSN or URI of the database (default: $PGLANE_DSN)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    sub.add_parser("migrate", help="create or upgrade pglane's schema")
+
+    lane = sub.add_parser("lane", help="manage lanes").add_subparsers(dest="lane_command", required=True)
+    create = lane.add_parser("create", help="create a lane")
+    create.add_argument("name")
+    create.add_argument("--slots", type=int, default=1)
+    create.add_argument("--job-timeout", type=_seconds, default=timing.DEFAULT_JOB_TIMEOUT)
+    create.add_argument("--lease-timeout", type=_seconds, help="default: 10%% longer than --job-timeout")
+    create.add_argument("--max-attempts", type=int, default=1)
+    create.add_argument("--max-queued", type=int)
+
+    enq = sub.add_parser("enqueue", help="add a job; prints its id")
+    enq.add_argument("lane")
+    enq.add_argument("payload", type=_payload, help="a JSON object or array")
+    enq.add_argument("--key", help="idempotency key: the same key returns the same job")
+
+    w = sub.add_parser("worker", help="run a worker for one lane")
+    w.add_argument("lane")
+    w.add_argument("--handler", required=True, help="MODULE:CALLABLE taking a pglane.Job")
+    w.add_argument("--poll-interval", type=_seconds, default=5.0)
+    w.add_argument("--max-jobs", type=int)
+    w.add_argument("--max-lifetime", type=_seconds)
+    w.add_argument("--timeout", type=_seconds, help="hard timeout; default: job_timeout + a margin")
+    w.add_argument("--name", help="worker name recorded on attempts (default: host:pid)")
+
+    st = sub.add_parser("status", help="one row per lane, with the next safe action")
+    st.add_argument("--json", action="store_true")
+
+    js = sub.add_parser("jobs", help="list jobs, newest first")
+    js.add_argument("--lane")
+    js.add_argument("--status", choices=("queued", "running", "done", "failed", "cancelled"))
+    js.add_argument("--limit", type=int, default=50)
+    js.add_argument("--json", action="store_true")
+
+    sh = sub.add_parser("show", help="one job, its attempts and the next safe action")
+    sh.add_argument("job", type=int)
+    sh.add_argument("--json", action="store_true")
+
+    for name, text in (("retry", "put a failed or cancelled job back in the queue"),
+                       ("cancel", "cancel a queued job")):
+        c = sub.add_parser(name, help=text)
+        c.add_argument("job", type=int)
+        c.add_argument("--json", action="store_true")
+
+    rc = sub.add_parser("recover", help="mark lost the attempts whose worker is gone")
+    rc.add_argument("lane", nargs="?")
+    rc.add_argument("--terminate-stuck", action="store_true",
+                    help="also end the sessions of attempts past their lease, then recover them")
+
+    ck = sub.add_parser("check", help="check that the four timeouts agree for every lane")
+    ck.add_argument("--stop-grace", type=_seconds)
+    ck.add_argument("--worker-timeout", type=_seconds)
+
+    demo = sub.add_parser("demo", help="the whole promise in under a minute, on an embedded PostgreSQL")
+    demo.add_argument("--data-dir", help="keep the embedded server's data here (default: a temp dir)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except ConfigurationError as exc:
+        print(f"pglane: {exc}", file=sys.stderr)
+        return 2
+    except PglaneError as exc:
+        print(f"pglane: {exc}", file=sys.stderr)
+        return 1
+    except psycopg.OperationalError as exc:
+        line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"pglane: the database connection failed ({line}); check --dsn / PGLANE_DSN and the server",
+              file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "demo":
+        from .demo import run_demo
+
+        return run_demo(args.dsn, args.data_dir)
+    dsn = client.resolve_dsn(args.dsn)
+    if args.command == "migrate":
+        with client.connect(dsn):
+            pass  # a clear error for an unreachable database before alembic's traceback
+        schema.upgrade(dsn)
+        print(f"pglane schema at revision {schema.HEAD}")
+        return 0
+    if args.command == "worker":
+        return _worker(dsn, args)
+    with client.connect(dsn) as conn:
+        schema.require_current(conn)
+        return _command(conn, args)
+
+
+def _worker(dsn: str, args: argparse.Namespace) -> int:
+    from . import handler
+    from .worker import Worker, WorkerOptions
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s[%(process)d] %(message)s")
+    options = WorkerOptions(poll_interval=args.poll_interval, max_jobs=args.max_jobs,
+                            max_lifetime=args.max_lifetime, timeout=args.timeout, name=args.name)
+    with client.connect(dsn) as conn:
+        schema.require_current(conn)
+    return Worker(dsn, args.lane, handler.load(args.handler), options).run()
+
+
+def _command(conn: Any, args: argparse.Namespace) -> int:
+    cmd = args.command
+    if cmd == "lane":
+        lane_id = client.create_lane(conn, args.name, slots=args.slots, job_timeout=args.job_timeout,
+                                     lease_timeout=args.lease_timeout, max_attempts=args.max_attempts,
+                                     max_queued=args.max_queued)
+        print(f"lane {args.name} created (id {lane_id})")
+    elif cmd == "enqueue":
+        print(client.enqueue(conn, args.lane, args.payload, key=args.key))
+    elif cmd == "status":
+        rows = client.lane_status(conn)
+        print(_json(rows) if args.json else _table(rows, (
+            "lane", "slots", "consumers", "queued", "running", "done", "failed", "cancelled",
+            "oldest_queued_age", "next_safe_action")) if rows else "no lanes yet: pglane lane create NAME")
+    elif cmd == "jobs":
+        rows = client.jobs(conn, lane=args.lane, status=args.status, limit=args.limit)
+        print(_json(rows) if args.json else _table(rows, (
+            "job_id", "lane", "status", "created_at", "queue_position", "attempts", "next_safe_action")))
+    elif cmd == "show":
+        job = client.job_status(conn, args.job)
+        job["result"] = client.result(conn, args.job)
+        job["attempt_rows"] = client.attempts(conn, args.job)
+        if args.json:
+            print(_json(job))
+        else:
+            for key in ("job_id", "lane", "status", "created_at", "started_at", "finished_at", "attempts",
+                        "seq", "idempotency_key", "queue_position", "waiting_for_worker", "result", "last_error"):
+                print(f"{key:>18}: {'-' if job.get(key) is None else job[key]}")
+            print()
+            print(_table(job["attempt_rows"], ("id", "attempt_number", "status", "worker", "backend_pid",
+                                               "backend_start", "started_at", "finished_at", "error")))
+            print(f"\nnext safe action: {job['next_safe_action']}")
+    elif cmd in ("retry", "cancel"):
+        done = client.retry(conn, args.job) if cmd == "retry" else client.cancel(conn, args.job)
+        print(_json({"job_id": args.job, cmd: done}) if args.json else f"job {args.job}: {cmd} done")
+    elif cmd == "recover":
+        return _recover(conn, args)
+    elif cmd == "check":
+        return _check(conn, args)
+    return 0
+
+
+def _recover(conn: Any, args: argparse.Namespace) -> int:
+    terminated = 0
+    if args.terminate_stuck:
+        terminated = client.terminate_stuck(conn, args.lane)
+    marked = client.recover(conn, args.lane)
+    stuck = client.stuck_attempts(conn, args.lane)
+    print(marked)
+    if terminated:
+        print(f"ended {terminated} stuck session(s)", file=sys.stderr)
+    for row in stuck:
+        print(f"stuck: attempt {row['attempt_id']} of job {row['job_id']} (lane {row['lane']}, worker "
+              f"{row['worker']}, pid {row['backend_pid']}) is past its lease and its worker is still connected;"
+              f" end it with: pglane recover {row['lane']} --terminate-stuck", file=sys.stderr)
+    return 0
+
+
+def _check(conn: Any, args: argparse.Namespace) -> int:
+    broken = 0
+    for lane in client.lanes(conn):
+        worker = args.worker_timeout or timing.default_worker_timeout(lane["job_timeout"], lane["lease_timeout"])
+        rules = timing.Timeouts(job=lane["job_timeout"], lease=lane["lease_timeout"], worker=worker,
+                                stop_grace=args.stop_grace)
+        problems = rules.violations()
+        if problems:
+            broken += 1
+            for problem in problems:
+                print(f"lane {lane['name']}: {problem}")
+        else:
+            grace = "" if args.stop_grace is None else f", stop grace {args.stop_grace:g}s"
+            print(f"lane {lane['name']}: ok (job {lane['job_timeout']:g}s <= worker {worker:g}s < lease "
+                  f"{lane['lease_timeout']:g}s{grace})")
+    return 1 if broken else 0

@@ -1,0 +1,112 @@
+"""Handlers: load ``MODULE:CALLABLE`` and run it on one job under the lane's job timeout.
+
+Owns the call itself. Invariant: a handler's outcome is always one of ``Outcome``'s three shapes, and
+a result that cannot be stored as JSON is a failure of the attempt, never a crash of the worker.
+A sync handler runs in a dedicated thread (it cannot be cancelled: past the worker's hard timeout
+the process recycles itself, see worker.Watchdog); an async one runs on the event loop and is
+cancelled at the job timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import json
+import traceback
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ConfigurationError
+from .job import Job
+
+Handler = Callable[[Job], Any]
+
+
+def load(spec: str) -> Handler:
+    """Import ``package.module:callable``; a ConfigurationError that says what is wrong otherwise."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigurationError(f"handler {spec!r} must look like MODULE:CALLABLE, e.g. myapp.jobs:summarise")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ConfigurationError(f"cannot import handler module {module_name!r}: {exc}") from None
+    target: Any = module
+    for part in attr.split("."):
+        target = getattr(target, part, None)
+        if target is None:
+            raise ConfigurationError(f"module {module_name!r} has no {attr!r}")
+    if not callable(target):
+        raise ConfigurationError(f"handler {spec!r} is not callable")
+    return target  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What became of one call: ``result_json`` when it succeeded, else ``error`` (and ``timed_out``)."""
+
+    result_json: str | None = None
+    error: str | None = None
+    timed_out: bool = False
+
+
+def _describe(exc: BaseException) -> str:
+    lines = traceback.format_exception(exc)
+    return f"{type(exc).__name__}: {exc}\n" + "".join(lines[-12:])
+
+
+def encode(value: Any) -> Outcome:
+    try:
+        return Outcome(result_json=json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        return Outcome(
+            error=f"handler returned a result that is not JSON-serialisable ({type(value).__name__}: {exc});"
+            " the call itself completed"
+        )
+
+
+class Runner:
+    """Runs one handler; knows whether it is async and owns the thread for a sync one."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.is_async = inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
+            getattr(handler, "__call__", None)  # noqa: B004 - an object with an async __call__
+        )
+        self._thread = None if self.is_async else ThreadPoolExecutor(1, thread_name_prefix="pglane-handler")
+
+    def start(self, job: Job) -> asyncio.Future[Any]:
+        """Start the call; the future holds the raw return value or the handler's exception."""
+        if self.is_async:
+            coro: Awaitable[Any] = self.handler(job)
+            return asyncio.ensure_future(coro)
+        assert self._thread is not None
+        return asyncio.get_running_loop().run_in_executor(self._thread, self.handler, job)
+
+    def shutdown(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=False, cancel_futures=True)
+
+
+async def run(runner: Runner, job: Job, job_timeout: float, hard_timeout: float) -> Outcome | None:
+    """Run the handler on ``job``. Returns None only when the handler outlived ``hard_timeout``
+    (it ignored cancellation, or is a sync handler): the caller must then recycle the process."""
+    future = runner.start(job)
+    if not future.done():
+        await asyncio.wait((future,), timeout=job_timeout)
+    if not future.done():
+        future.cancel()  # async handlers stop here; a thread cannot be stopped, it is waited for
+        await asyncio.wait((future,), timeout=max(0.0, hard_timeout - job_timeout))
+        if not future.done():
+            return None
+        return Outcome(error=f"timed out: the handler ran past the lane's job_timeout of {job_timeout:g}s",
+                       timed_out=True)
+    if future.cancelled():
+        return Outcome(error="the handler was cancelled")
+    exc = future.exception()
+    if exc is not None:
+        return Outcome(error=_describe(exc))
+    return encode(future.result())

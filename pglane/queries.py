@@ -1,0 +1,51 @@
+"""Every statement pglane's Python sends, by name. The logic lives in sql/; this module only calls it.
+
+No statement is built from user input: lane names, payloads and keys are always parameters.
+"""
+
+from typing import LiteralString
+
+ENQUEUE: LiteralString = "SELECT pglane.enqueue(%s, %s::jsonb, %s, %s)"
+CLAIM: LiteralString = "SELECT * FROM pglane.claim(%s, %s)"
+COMPLETE: LiteralString = "SELECT pglane.complete(%s, %s::jsonb)"
+COMPLETE_AND_CLAIM: LiteralString = "SELECT * FROM pglane.complete_and_claim(%s, %s::jsonb, %s, %s)"
+FAIL: LiteralString = "SELECT pglane.fail(%s, %s, %s)"
+RECOVER: LiteralString = "SELECT pglane.recover(%s)"
+RETRY: LiteralString = "SELECT pglane.retry(%s)"
+CANCEL: LiteralString = "SELECT pglane.cancel(%s)"
+STUCK: LiteralString = "SELECT * FROM pglane.stuck_attempts(%s) ORDER BY attempt_id"
+TERMINATE: LiteralString = "SELECT pg_terminate_backend(%s)"
+
+LANE: LiteralString = (
+    "SELECT id, name, slots, extract(epoch FROM job_timeout)::float8 AS job_timeout,"
+    " extract(epoch FROM lease_timeout)::float8 AS lease_timeout, max_attempts, max_queued"
+    " FROM pglane.lanes WHERE name = %s"
+)
+LANES: LiteralString = (
+    "SELECT id, name, slots, extract(epoch FROM job_timeout)::float8 AS job_timeout,"
+    " extract(epoch FROM lease_timeout)::float8 AS lease_timeout, max_attempts, max_queued"
+    " FROM pglane.lanes ORDER BY name"
+)
+CREATE_LANE: LiteralString = (
+    "INSERT INTO pglane.lanes (name, slots, job_timeout, lease_timeout, max_attempts, max_queued,"
+    " waiting_grace, max_payload_bytes, retry_backoff)"
+    " VALUES (%s, %s, make_interval(secs => %s), make_interval(secs => %s), %s, %s,"
+    " make_interval(secs => %s), %s, make_interval(secs => %s)) RETURNING id"
+)
+
+TRY_SLOT: LiteralString = "SELECT pg_try_advisory_lock(%s, %s)"
+WAIT_SLOT: LiteralString = "SELECT pg_advisory_lock(%s, %s)"
+RELEASE_SLOT: LiteralString = "SELECT pg_advisory_unlock(%s, %s)"
+
+LANE_STATUS: LiteralString = "SELECT * FROM pglane.lane_status ORDER BY lane"
+JOB_STATUS: LiteralString = "SELECT * FROM pglane.job_status WHERE job_id = %s"
+JOBS: LiteralString = (
+    "SELECT * FROM pglane.job_status"
+    " WHERE (%(lane)s::text IS NULL OR lane = %(lane)s) AND (%(status)s::text IS NULL OR status = %(status)s)"
+    " ORDER BY job_id DESC LIMIT %(limit)s"
+)
+ATTEMPTS: LiteralString = (
+    "SELECT id, attempt_number, status, worker, backend_pid, backend_start, started_at, finished_at,"
+    " lease_expires_at, seq, error FROM pglane.attempts WHERE job_id = %s ORDER BY attempt_number"
+)
+JOB_RESULT: LiteralString = "SELECT result FROM pglane.jobs WHERE id = %s"

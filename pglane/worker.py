@@ -1,0 +1,375 @@
+"""The worker loop: hold a slot of one lane, claim, call the handler, complete; survive the rest.
+
+Owns the sequence of one worker process (DESIGN §3): take a free slot or wait as a standby, recover
+the lane, LISTEN, drain the queue, and wait for a wake-up or the poll interval. Invariants:
+- a claim commits before the handler runs, and runs on the slot session (the database refuses others);
+- every outcome is written through the guarded pglane.complete()/fail(), so a late or zombie write can
+  never overwrite a newer attempt; an outcome that could not be written (the connection died) is kept
+  as ``_pending`` and delivered first after reconnecting;
+- on SIGTERM/SIGINT, --max-jobs or --max-lifetime the worker finishes the current call, writes its
+  outcome, releases the slot and exits 0: a stop never cuts a call off;
+- a handler still running at the hard timeout (it ignored cancellation, or it is sync) gets its
+  attempt recorded timed_out and the process ends with EXIT_HUNG, because a thread cannot be killed.
+How it breaks: if the slot session dies during a call, another worker may take the slot and start
+the next job while this call finishes; this call's result is then still accepted under the
+late-result rule, and the one-slot promise resumes once this worker is a standby.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from tenacity import AsyncRetrying, RetryError, retry_if_exception_type, wait_exponential
+
+from . import handler as handlers
+from . import queries, timing
+from .errors import ConfigurationError, DatabaseUnavailable, UnknownLane
+from .handler import Handler, Outcome, Runner
+from .job import Job
+from .slot import LockSession
+
+log = logging.getLogger("pglane.worker")
+
+EXIT_OK = 0
+EXIT_CONFIG = 2
+EXIT_HUNG = 75  # EX_TEMPFAIL: a handler outlived the hard timeout; restart the process
+QUICK_CALL = 0.05  # calls shorter than this run without a connection watcher (saves a task per job)
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    poll_interval: float = 5.0
+    max_jobs: int | None = None
+    max_lifetime: float | None = None
+    timeout: float | None = None  # the hard timeout; default: timing.default_worker_timeout
+    recover_interval: float = 30.0
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class Lane:
+    id: int
+    name: str
+    slots: int
+    job_timeout: float
+    lease_timeout: float
+
+
+class SlotLost(Exception):
+    """The slot session no longer holds its slot: reconnect and take one again before claiming."""
+
+
+class Watchdog(threading.Thread):
+    """The last resort against a handler that blocks the event loop past the hard timeout: from its
+    own thread and its own connection it records the attempt timed_out, then ends the process."""
+
+    GRACE = 1.0  # let the event loop handle the hard timeout first when it can
+
+    def __init__(self, dsn: str) -> None:
+        super().__init__(name="pglane-watchdog", daemon=True)
+        self.dsn = dsn
+        self._cond = threading.Condition()
+        self._armed: tuple[int, float] | None = None  # (attempt id, monotonic deadline); guarded by _cond
+
+    def arm(self, attempt_id: int, deadline: float) -> None:
+        with self._cond:
+            self._armed = (attempt_id, deadline)
+            self._cond.notify()
+
+    def disarm(self) -> None:
+        with self._cond:
+            self._armed = None
+
+    def run(self) -> None:
+        while True:
+            with self._cond:
+                while self._armed is None:
+                    self._cond.wait()
+                attempt_id, deadline = self._armed
+                remaining = deadline + self.GRACE - time.monotonic()
+                if remaining > 0:
+                    self._cond.wait(remaining)
+                    continue
+                self._armed = None
+            self._fire(attempt_id)
+
+    def _fire(self, attempt_id: int) -> None:
+        log.error("attempt %s: the handler blocked the worker past its hard timeout; recording it "
+                  "timed_out and ending the process (exit %s)", attempt_id, EXIT_HUNG)
+        with contextlib.suppress(Exception), psycopg.connect(self.dsn, autocommit=True, connect_timeout=5) as conn:
+            conn.execute(queries.FAIL, (attempt_id, "timed out: the handler blocked past the worker's hard "
+                                        "timeout; the process was recycled", True))
+        os._exit(EXIT_HUNG)
+
+
+class Worker:
+    def __init__(self, dsn: str, lane: str, handler: Handler, options: WorkerOptions | None = None) -> None:
+        self.dsn = dsn
+        self.lane_name = lane
+        self.options = options or WorkerOptions()
+        self.name = self.options.name or f"{socket.gethostname()}:{os.getpid()}"
+        self.runner = Runner(handler)
+        self.jobs_run = 0
+        self._stopping = asyncio.Event()
+        self._pending: tuple[Job, Outcome] | None = None  # an outcome not yet written; see module doc
+        self._lane: Lane | None = None
+        self._hard_timeout = 0.0
+        self._started = 0.0
+        self._next_recover = 0.0
+        self._watchdog = Watchdog(dsn)
+
+    # ----- life cycle -----------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Run until stopped; returns the process exit code."""
+        return asyncio.run(self.main())
+
+    def stop(self, reason: str = "stop requested") -> None:
+        if not self._stopping.is_set():
+            log.info("%s: finishing the current job, then releasing the slot and exiting", reason)
+            self._stopping.set()
+
+    async def main(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(ValueError, RuntimeError):  # not the main thread
+                loop.add_signal_handler(sig, self.stop, f"{signal.Signals(sig).name} received")
+        self._started = loop.time()
+        lane = await self._load_lane()
+        self._lane = lane
+        self._hard_timeout = self.options.timeout or timing.default_worker_timeout(
+            lane.job_timeout, lane.lease_timeout)
+        rules = timing.Timeouts(job=lane.job_timeout, lease=lane.lease_timeout, worker=self._hard_timeout)
+        if broken := rules.violations():
+            raise ConfigurationError(f"lane {lane.name}: " + "; ".join(broken))
+        self._watchdog.start()
+        log.info("worker %s for lane %s (%s slot(s), job timeout %gs, hard timeout %gs, lease %gs)",
+                 self.name, lane.name, lane.slots, lane.job_timeout, self._hard_timeout, lane.lease_timeout)
+        try:
+            while not self._done() or self._pending is not None:
+                try:
+                    await self._serve(lane)
+                except (psycopg.OperationalError, SlotLost) as exc:
+                    log.warning("lost the slot session (%s); reconnecting", _first_line(exc))
+                except RetryError:
+                    break  # asked to stop while the database was unreachable
+        finally:
+            self.runner.shutdown()
+        log.info("worker %s stopped after %s job(s)", self.name, self.jobs_run)
+        return EXIT_OK
+
+    def _done(self) -> bool:
+        return self._stopping.is_set() or self._recycle_due()
+
+    def _recycle_due(self) -> bool:
+        o = self.options
+        if o.max_jobs is not None and self.jobs_run >= o.max_jobs:
+            return True
+        return o.max_lifetime is not None and asyncio.get_running_loop().time() - self._started >= o.max_lifetime
+
+    async def _load_lane(self) -> Lane:
+        try:
+            conn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True)
+        except psycopg.OperationalError as exc:
+            raise DatabaseUnavailable(f"cannot connect to the database ({_first_line(exc)}); check "
+                                      "--dsn / PGLANE_DSN") from None
+        async with conn:
+            cur = await conn.execute(queries.LANE, (self.lane_name,))
+            row = await cur.fetchone()
+        if row is None:
+            raise UnknownLane(f"unknown lane {self.lane_name!r}; create it with: pglane lane create {self.lane_name}")
+        return Lane(id=row[0], name=row[1], slots=row[2], job_timeout=row[3], lease_timeout=row[4])
+
+    # ----- one session: connect, slot, listen, recover, drain ---------------------------------
+
+    async def _connect(self, lane: Lane) -> LockSession:
+        async for attempt in AsyncRetrying(
+            wait=wait_exponential(multiplier=0.1, max=5.0),
+            stop=lambda _state: self._stopping.is_set(),
+            retry=retry_if_exception_type(psycopg.OperationalError),
+            before_sleep=lambda rs: log.warning(
+                "cannot reach the database (%s); retrying", _first_line(rs.outcome.exception()) if rs.outcome else ""),
+        ):
+            with attempt:
+                return await LockSession.connect(self.dsn, lane.id, lane.slots, f"{lane.name} {self.name}")
+        raise AssertionError("unreachable")
+
+    async def _serve(self, lane: Lane) -> None:
+        session = await self._connect(lane)
+        try:
+            if self._pending is not None:
+                job, outcome = self._pending
+                await self._write(session, job, outcome)
+                self._pending = None
+            if self._done():
+                return
+            if not await session.try_take():
+                log.info("standby: all %s slot(s) of lane %s are held; waiting to take over", lane.slots, lane.name)
+                if not await session.wait_take(self._stopping):
+                    return
+            log.info("holding slot %s of lane %s", session.slot, lane.name)
+            await session.listen()
+            await self._recover(session)
+            await self._drain(session, lane)
+        finally:
+            await session.release()
+
+    async def _recover(self, session: LockSession) -> None:
+        cur = await session.conn.execute(queries.RECOVER, (self.lane_name,))
+        row = await cur.fetchone()
+        if row and row["recover"]:
+            log.warning("recovered %s attempt(s) of lane %s whose worker was gone (marked lost)",
+                        row["recover"], self.lane_name)
+        self._next_recover = asyncio.get_running_loop().time() + self.options.recover_interval
+
+    async def _drain(self, session: LockSession, lane: Lane) -> None:
+        loop = asyncio.get_running_loop()
+        job = await self._claim(session)
+        while True:
+            while job is not None:
+                outcome = await self._call(session, job, lane)
+                self.jobs_run += 1
+                if self._done():
+                    await self._write(session, job, outcome)
+                    return
+                job = await self._write_and_claim(session, job, outcome)
+            if self._done():
+                return
+            if loop.time() >= self._next_recover:
+                await self._recover(session)
+            await self._idle(session)
+            if self._done():
+                return
+            job = await self._claim(session)
+
+    async def _idle(self, session: LockSession) -> None:
+        """Wait for a NOTIFY, the poll interval, the next recovery, the end of life, or a stop."""
+        loop = asyncio.get_running_loop()
+        timeout = min(self.options.poll_interval, max(0.0, self._next_recover - loop.time()))
+        if self.options.max_lifetime is not None:
+            timeout = min(timeout, max(0.0, self._started + self.options.max_lifetime - loop.time()))
+        wake = asyncio.ensure_future(session.wait_for_wake(timeout))
+        stop = asyncio.ensure_future(self._stopping.wait())
+        await asyncio.wait((wake, stop), return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if not wake.done():
+            wake.cancel()
+        results = await asyncio.gather(wake, stop, return_exceptions=True)
+        if isinstance(results[0], psycopg.OperationalError):
+            raise results[0]
+
+    # ----- claim, call, write ---------------------------------------------------------------
+
+    async def _claim(self, session: LockSession) -> Job | None:
+        try:
+            cur = await session.conn.execute(queries.CLAIM, (self.lane_name, self.name))
+        except psycopg.Error as exc:
+            if exc.sqlstate == "PGL06":
+                raise SlotLost(_first_line(exc)) from None
+            raise
+        return _job(await cur.fetchone())
+
+    async def _call(self, session: LockSession, job: Job, lane: Lane) -> Outcome:
+        self._watchdog.arm(job.attempt_id, time.monotonic() + self._hard_timeout)
+        try:
+            task = asyncio.ensure_future(handlers.run(self.runner, job, lane.job_timeout, self._hard_timeout))
+            done, _ = await asyncio.wait((task,), timeout=QUICK_CALL)
+            if not done:
+                watcher = asyncio.ensure_future(session.watch())
+                done, _ = await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+                if task not in done:
+                    log.error("the slot session died during attempt %s (%s): no new claim until a slot is "
+                              "taken again; the call goes on and its result will be delivered",
+                              job.attempt_id, _first_line(watcher.exception()))
+                    outcome = await task
+                    self._pending = (job, outcome if outcome is not None else _hung(self._hard_timeout))
+                    if outcome is None:
+                        self._recycle_hung(job)
+                    raise SlotLost("the slot session died during a call")
+                watcher.cancel()
+                await asyncio.gather(watcher, return_exceptions=True)
+            outcome = task.result()
+        finally:
+            self._watchdog.disarm()
+        if outcome is None:
+            await self._write(session, job, _hung(self._hard_timeout))
+            self._recycle_hung(job)
+        log.debug("attempt %s of job %s: %s", job.attempt_id, job.id, "ok" if outcome.error is None else "failed")
+        return outcome
+
+    def _recycle_hung(self, job: Job) -> None:
+        log.error("attempt %s of job %s: the handler ignored cancellation past the hard timeout; recorded "
+                  "timed_out, recycling the process (exit %s)", job.attempt_id, job.id, EXIT_HUNG)
+        logging.shutdown()
+        os._exit(EXIT_HUNG)
+
+    async def _write(self, session: LockSession, job: Job, outcome: Outcome) -> None:
+        """Write one outcome through the guarded functions; keeps it pending if the session dies."""
+        self._pending = (job, outcome)
+        if outcome.result_json is not None:
+            try:
+                cur = await session.conn.execute(queries.COMPLETE, (job.attempt_id, outcome.result_json))
+                accepted = bool((await cur.fetchone() or {}).get("complete"))
+            except psycopg.DataError as exc:
+                outcome = Outcome(error=f"the result could not be stored: {_first_line(exc)}")
+                self._pending = (job, outcome)
+            else:
+                self._pending = None
+                self._log_refused(job, accepted)
+                return
+        cur = await session.conn.execute(queries.FAIL, (job.attempt_id, outcome.error, outcome.timed_out))
+        self._pending = None
+        self._log_refused(job, bool((await cur.fetchone() or {}).get("fail")))
+
+    async def _write_and_claim(self, session: LockSession, job: Job, outcome: Outcome) -> Job | None:
+        if outcome.result_json is None:
+            await self._write(session, job, outcome)
+            return await self._claim(session)
+        self._pending = (job, outcome)
+        try:
+            cur = await session.conn.execute(
+                queries.COMPLETE_AND_CLAIM, (job.attempt_id, outcome.result_json, self.lane_name, self.name))
+        except psycopg.DataError:
+            await self._write(session, job, outcome)  # re-tried alone, then failed with the reason
+            return await self._claim(session)
+        except psycopg.Error as exc:
+            if exc.sqlstate == "PGL06":
+                raise SlotLost(_first_line(exc)) from None
+            raise
+        self._pending = None
+        row = await cur.fetchone()
+        assert row is not None
+        self._log_refused(job, bool(row["completed"]))
+        return _job(row)
+
+    def _log_refused(self, job: Job, accepted: bool) -> None:
+        if not accepted:
+            log.warning("outcome of attempt %s of job %s refused: a newer attempt exists or the job was "
+                        "finished elsewhere; nothing was overwritten", job.attempt_id, job.id)
+
+
+def _hung(hard_timeout: float) -> Outcome:
+    return Outcome(error=f"timed out: the handler ignored cancellation past the worker's hard timeout of "
+                         f"{hard_timeout:g}s; the process was recycled", timed_out=True)
+
+
+def _job(row: dict[str, Any] | None) -> Job | None:
+    if row is None or row["job_id"] is None:
+        return None
+    return Job(id=row["job_id"], lane=row["lane"], payload=row["payload"], attempt_id=row["attempt_id"],
+               attempt_number=row["attempt_number"], seq=row["seq"], idempotency_key=row["idempotency_key"])
+
+
+def _first_line(exc: BaseException | None) -> str:
+    text = str(exc).strip() if exc is not None else ""
+    return text.splitlines()[0] if text else type(exc).__name__
