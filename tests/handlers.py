@@ -1,0 +1,62 @@
+"""Handlers the tests run in real worker processes. ``paid_call`` is the fake paid service: it
+records the start and the end of every call in the ledger (append + fsync, outside the database)
+and behaves as the payload asks: {"sleep": s}, {"fail": "message"}, {"result": value}."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+from pglane import Job
+
+
+def _record(event: str, job: Job) -> None:
+    path = os.environ["PGLANE_TEST_LEDGER"]
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, f"{event} {job.id} {job.attempt_id} {time.monotonic_ns()}\n".encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def paid_call(job: Job) -> Any:
+    _record("start", job)
+    payload = job.payload if isinstance(job.payload, dict) else {}
+    time.sleep(float(payload.get("sleep", 0)))
+    if "fail" in payload:
+        raise RuntimeError(payload["fail"])
+    _record("end", job)
+    return payload.get("result", {"job": job.id, "seq": job.seq})
+
+
+async def async_paid_call(job: Job) -> Any:
+    _record("start", job)
+    payload = job.payload if isinstance(job.payload, dict) else {}
+    await asyncio.sleep(float(payload.get("sleep", 0)))
+    _record("end", job)
+    return {"job": job.id, "seq": job.seq}
+
+
+async def ignores_cancellation(job: Job) -> Any:
+    _record("start", job)
+    deadline = time.monotonic() + float(job.payload.get("sleep", 60))
+    while time.monotonic() < deadline:
+        try:
+            await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            continue
+    _record("end", job)
+    return {"job": job.id}
+
+
+def not_json(job: Job) -> Any:
+    _record("start", job)
+    _record("end", job)
+    return {"when": object()}
+
+
+def noop(job: Job) -> Any:
+    return None

@@ -1,0 +1,261 @@
+"""Claim and completion in SQL: service order, SKIP LOCKED, the slot check, the guards, the gapless
+seq. Sessions here take slot locks by hand, the way any worker in any language would."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import psycopg
+import pytest
+
+import pglane
+
+CLAIM = "SELECT * FROM pglane.claim(%s, 'test')"
+
+
+def lane_id(conn: Any, name: str) -> int:
+    return int(conn.execute("SELECT id FROM pglane.lanes WHERE name = %s", (name,)).fetchone()["id"])
+
+
+def take_slot(conn: Any, lane: str, slot: int = 1) -> None:
+    assert conn.execute("SELECT pg_try_advisory_lock(%s, %s) AS ok", (lane_id(conn, lane), slot)).fetchone()["ok"]
+
+
+def claim(conn: Any, lane: str = "brain") -> dict[str, Any] | None:
+    with pglane.client.translated():
+        row: dict[str, Any] | None = conn.execute(CLAIM, (lane,)).fetchone()
+    return row
+
+
+def test_claims_follow_the_order_jobs_were_queued(conn: Any, lane: str) -> None:
+    ids = [pglane.enqueue(conn, lane, {"n": n}) for n in range(5)]
+    take_slot(conn, lane)
+    claimed = []
+    while (row := claim(conn)) is not None:
+        claimed.append(row["job_id"])
+        assert conn.execute("SELECT pglane.complete(%s, '{}') AS ok", (row["attempt_id"],)).fetchone()["ok"]
+    assert claimed == ids
+
+
+def test_a_job_scheduled_for_later_is_not_claimed_before_its_time(conn: Any, lane: str) -> None:
+    conn.execute("SELECT pglane.enqueue('brain', '{}', NULL, now() + interval '1 hour')")
+    now_job = pglane.enqueue(conn, lane, {})
+    take_slot(conn, lane)
+    row = claim(conn)
+    assert row is not None and row["job_id"] == now_job
+    assert claim(conn) is None
+
+
+def test_claim_is_refused_without_a_slot_lock(conn: Any, lane: str) -> None:
+    pglane.enqueue(conn, lane, {})
+    with pytest.raises(pglane.NoSlotHeld, match="holds no slot of lane 'brain'"):
+        claim(conn)
+    assert conn.execute("SELECT status FROM pglane.jobs").fetchone()["status"] == "queued"
+
+
+def test_claim_is_refused_to_a_session_whose_lock_is_only_transaction_level(session: Any, lane: str) -> None:
+    s = session(autocommit=False)
+    pglane.enqueue(s, lane, {})
+    s.commit()
+    s.execute("SELECT pg_advisory_xact_lock(%s, 1)", (lane_id(s, lane),))
+    with pytest.raises(pglane.NoSlotHeld):
+        claim(s)
+    s.rollback()
+
+
+def test_claim_is_refused_to_a_session_holding_only_a_shared_lock(conn: Any, lane: str) -> None:
+    pglane.enqueue(conn, lane, {})
+    conn.execute("SELECT pg_advisory_lock_shared(%s, 1)", (lane_id(conn, lane),))
+    with pytest.raises(pglane.NoSlotHeld):
+        claim(conn)
+
+
+def test_claim_is_refused_while_another_session_holds_the_slot(session: Any, lane: str) -> None:
+    holder, other = session(), session()
+    pglane.enqueue(holder, lane, {})
+    take_slot(holder, lane)
+    with pytest.raises(pglane.NoSlotHeld):
+        claim(other)
+    assert claim(holder) is not None
+
+
+def test_a_claim_check_never_lets_a_waiting_standby_in(session: Any, lane: str) -> None:
+    holder, standby = session(), session()
+    for _ in range(3):
+        pglane.enqueue(holder, lane, {})
+    take_slot(holder, lane)
+    lid = lane_id(holder, lane)
+    got = threading.Event()
+    thread = threading.Thread(target=lambda: (standby.execute("SELECT pg_advisory_lock(%s, 1)", (lid,)), got.set()))
+    thread.start()
+    try:
+        for _ in range(3):  # each claim pins, unlocks and re-locks the slot while the standby waits on it
+            row = claim(holder)
+            assert row is not None
+            assert not got.is_set()
+    finally:
+        holder.execute("SELECT pg_advisory_unlock(%s, 1)", (lid,))
+        thread.join(10)
+    assert got.is_set()
+
+
+def test_two_slots_claim_different_jobs_skipping_each_others_locked_rows(session: Any, conn: Any) -> None:
+    pglane.create_lane(conn, "wide", slots=2, job_timeout=10)
+    first_job, second_job = pglane.enqueue(conn, "wide", {}), pglane.enqueue(conn, "wide", {})
+    a, b = session(autocommit=False), session(autocommit=False)
+    take_slot(a, "wide", 1)
+    take_slot(b, "wide", 2)
+    a.commit()
+    b.commit()
+    row_a = claim(a, "wide")  # a's transaction stays open: its row lock on the first job is held
+    rows_b: list[Any] = []
+    # b passes the locked first job (SKIP LOCKED) and takes the second; it then waits only for a's
+    # commit on the lane's seq counter, which keeps seq gapless and in commit order.
+    thread = threading.Thread(target=lambda: rows_b.append(claim(b, "wide")))
+    thread.start()
+    a.commit()
+    thread.join(10)
+    b.commit()
+    assert row_a is not None and rows_b and rows_b[0] is not None
+    assert (row_a["job_id"], rows_b[0]["job_id"]) == (first_job, second_job)
+    assert (row_a["seq"], rows_b[0]["seq"]) == (1, 2)
+
+
+def test_claim_records_the_session_identity_and_the_lease(conn: Any, lane: str) -> None:
+    pglane.enqueue(conn, lane, {})
+    take_slot(conn, lane)
+    row = claim(conn)
+    assert row is not None
+    attempt = conn.execute(
+        "SELECT a.backend_pid = pg_backend_pid() AS pid_ok,"
+        " a.backend_start = (SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()) AS start_ok,"
+        " a.lease_expires_at - a.started_at AS lease, a.status, a.worker FROM pglane.attempts a WHERE id = %s",
+        (row["attempt_id"],),
+    ).fetchone()
+    assert attempt["pid_ok"] and attempt["start_ok"]
+    assert attempt["lease"].total_seconds() == 22 and attempt["status"] == "running" and attempt["worker"] == "test"
+
+
+def test_completion_is_accepted_once_and_stores_the_result(conn: Any, lane: str) -> None:
+    job = pglane.enqueue(conn, lane, {})
+    take_slot(conn, lane)
+    row = claim(conn)
+    assert row is not None
+    ok = conn.execute("SELECT pglane.complete(%s, '{\"a\": 1}') AS ok", (row["attempt_id"],)).fetchone()["ok"]
+    again = conn.execute("SELECT pglane.complete(%s, '{\"a\": 2}') AS ok", (row["attempt_id"],)).fetchone()["ok"]
+    assert (ok, again) == (True, False)
+    assert pglane.result(conn, job) == {"a": 1}
+    failed = conn.execute("SELECT pglane.fail(%s, 'late') AS ok", (row["attempt_id"],)).fetchone()["ok"]
+    assert failed is False and pglane.job_status(conn, job)["status"] == "done"
+
+
+def test_late_completion_is_refused_after_a_newer_attempt(conn: Any) -> None:
+    pglane.create_lane(conn, "retrying", job_timeout=10, max_attempts=3)
+    job = pglane.enqueue(conn, "retrying", {})
+    take_slot(conn, "retrying")
+    first = claim(conn, "retrying")
+    assert first is not None
+    assert conn.execute("SELECT pglane.fail(%s, 'boom') AS ok", (first["attempt_id"],)).fetchone()["ok"]
+    conn.execute("UPDATE pglane.jobs SET run_after = now() WHERE id = %s", (job,))  # skip the backoff
+    second = claim(conn, "retrying")
+    assert second is not None and second["attempt_number"] == 2
+    stale = conn.execute("SELECT pglane.complete(%s, '{\"stale\": true}') AS ok", (first["attempt_id"],)).fetchone()
+    assert stale["ok"] is False
+    assert conn.execute("SELECT status, result FROM pglane.jobs").fetchone() == {"status": "running", "result": None}
+    assert conn.execute("SELECT pglane.complete(%s, '{\"fresh\": true}') AS ok", (second["attempt_id"],)).fetchone()["ok"]
+    assert pglane.result(conn, job) == {"fresh": True}
+
+
+def test_fail_requeues_while_attempts_remain_then_fails(conn: Any) -> None:
+    pglane.create_lane(conn, "twice", job_timeout=10, max_attempts=2)
+    job = pglane.enqueue(conn, "twice", {})
+    take_slot(conn, "twice")
+    for expected in ("queued", "failed"):
+        conn.execute("UPDATE pglane.jobs SET run_after = now() WHERE id = %s", (job,))
+        row = claim(conn, "twice")
+        assert row is not None
+        conn.execute("SELECT pglane.fail(%s, 'boom')", (row["attempt_id"],))
+        status = pglane.job_status(conn, job)
+        assert status["status"] == expected and status["last_error"] == "boom"
+    attempts = [a["status"] for a in pglane.attempts(conn, job)]
+    assert attempts == ["failed", "failed"]
+
+
+def test_failed_attempt_backs_off_for_seconds_not_minutes(conn: Any) -> None:
+    pglane.create_lane(conn, "backoff", job_timeout=10, max_attempts=3)
+    pglane.enqueue(conn, "backoff", {})
+    take_slot(conn, "backoff")
+    row = claim(conn, "backoff")
+    assert row is not None
+    conn.execute("SELECT pglane.fail(%s, 'boom')", (row["attempt_id"],))
+    delay = conn.execute("SELECT run_after - now() AS d FROM pglane.jobs").fetchone()["d"].total_seconds()
+    assert 1 <= delay <= 10
+
+
+def test_seq_is_gapless_in_claim_order_with_many_producers(dsn: str, conn: Any, lane: str) -> None:
+    def produce(n: int) -> None:
+        with pglane.connect(dsn) as c:
+            for i in range(25):
+                pglane.enqueue(c, lane, {"producer": n, "i": i})
+
+    threads = [threading.Thread(target=produce, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    take_slot(conn, lane)
+    seqs = []
+    for t in threads:
+        t.join()
+    # A claim that rolls back gives its number back.
+    conn.autocommit = False
+    assert claim(conn) is not None
+    conn.rollback()
+    conn.autocommit = True
+    while (row := claim(conn)) is not None:
+        seqs.append(row["seq"])
+        conn.execute("SELECT pglane.complete(%s, NULL)", (row["attempt_id"],))
+    assert seqs == list(range(1, 101))
+    stored = [r["seq"] for r in conn.execute("SELECT seq FROM pglane.attempts ORDER BY id")]
+    assert stored == seqs
+
+
+def test_statuses_outside_the_contract_are_refused_by_named_checks(conn: Any, lane: str) -> None:
+    job = pglane.enqueue(conn, lane, {})
+    with pytest.raises(psycopg.errors.CheckViolation) as excinfo:
+        conn.execute("UPDATE pglane.jobs SET status = 'paused' WHERE id = %s", (job,))
+    assert excinfo.value.diag.constraint_name == "job_status_valid"
+    take_slot(conn, lane)
+    row = claim(conn)
+    assert row is not None
+    with pytest.raises(psycopg.errors.CheckViolation) as excinfo:
+        conn.execute("UPDATE pglane.attempts SET status = 'zombie' WHERE id = %s", (row["attempt_id"],))
+    assert excinfo.value.diag.constraint_name == "attempt_status_valid"
+    with pytest.raises(psycopg.errors.CheckViolation) as excinfo:
+        conn.execute("UPDATE pglane.attempts SET status = 'done' WHERE id = %s", (row["attempt_id"],))
+    assert excinfo.value.diag.constraint_name == "attempt_finished_when_not_running"
+
+
+@pytest.mark.parametrize(("job_timeout", "lease_timeout"), [(60, 60), (60, 30)])
+def test_a_lease_not_longer_than_the_job_timeout_is_refused(conn: Any, job_timeout: int, lease_timeout: int) -> None:
+    with pytest.raises(pglane.InvalidLane, match="lane_lease_exceeds_job_timeout"):
+        pglane.create_lane(conn, "tight", job_timeout=job_timeout, lease_timeout=lease_timeout)
+    assert conn.execute("SELECT count(*) AS n FROM pglane.lanes").fetchone()["n"] == 0
+    pglane.create_lane(conn, "fine", job_timeout=job_timeout)
+    with pytest.raises(psycopg.errors.CheckViolation):
+        conn.execute("UPDATE pglane.lanes SET lease_timeout = make_interval(secs => %s)", (lease_timeout,))
+
+
+@pytest.mark.parametrize("job_timeout", [1, 5, 90, 600, 3600, 86400])
+def test_every_lane_pglane_creates_by_default_has_a_lease_longer_than_its_job_timeout(
+    conn: Any, job_timeout: int
+) -> None:
+    pglane.create_lane(conn, "defaults", job_timeout=job_timeout)
+    row = conn.execute("SELECT lease_timeout > job_timeout AS ok FROM pglane.lanes").fetchone()
+    assert row["ok"]
+
+
+def test_a_lane_created_with_no_options_has_the_seed_numbers(conn: Any) -> None:
+    conn.execute("INSERT INTO pglane.lanes (name) VALUES ('plain')")
+    row = conn.execute("SELECT slots, job_timeout, lease_timeout, max_attempts, max_queued FROM pglane.lanes").fetchone()
+    assert (row["slots"], row["max_attempts"], row["max_queued"]) == (1, 1, None)
+    assert (row["job_timeout"].total_seconds(), row["lease_timeout"].total_seconds()) == (600, 660)
