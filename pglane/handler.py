@@ -78,13 +78,15 @@ class Runner:
         )
         self._thread = None if self.is_async else ThreadPoolExecutor(1, thread_name_prefix="pglane-handler")
 
-    def start(self, job: Job) -> asyncio.Future[Any]:
-        """Start the call; the future holds the raw return value or the handler's exception."""
+    def start(self, job: Job) -> tuple[asyncio.Future[Any], Callable[[], object]]:
+        """Start the call: the future holds the raw return value or the handler's exception, and the
+        callable asks the handler to stop (a no-op for a sync handler: a thread cannot be stopped)."""
         if self.is_async:
             coro: Awaitable[Any] = self.handler(job)
-            return asyncio.ensure_future(coro)
+            task = asyncio.ensure_future(coro)
+            return task, task.cancel
         assert self._thread is not None
-        return asyncio.get_running_loop().run_in_executor(self._thread, self.handler, job)
+        return asyncio.wrap_future(self._thread.submit(self.handler, job)), lambda: None
 
     def shutdown(self) -> None:
         if self._thread is not None:
@@ -94,11 +96,11 @@ class Runner:
 async def run(runner: Runner, job: Job, job_timeout: float, hard_timeout: float) -> Outcome | None:
     """Run the handler on ``job``. Returns None only when the handler outlived ``hard_timeout``
     (it ignored cancellation, or is a sync handler): the caller must then recycle the process."""
-    future = runner.start(job)
+    future, cancel = runner.start(job)
     if not future.done():
         await asyncio.wait((future,), timeout=job_timeout)
     if not future.done():
-        future.cancel()  # async handlers stop here; a thread cannot be stopped, it is waited for
+        cancel()  # async handlers stop here; a thread cannot be stopped, it is waited for
         await asyncio.wait((future,), timeout=max(0.0, hard_timeout - job_timeout))
         if not future.done():
             return None

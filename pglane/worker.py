@@ -304,7 +304,9 @@ class Worker:
         if outcome is None:
             await self._write(session, job, _hung(self._hard_timeout))
             self._recycle_hung(job)
-        log.debug("attempt %s of job %s: %s", job.attempt_id, job.id, "ok" if outcome.error is None else "failed")
+        if outcome.error is not None:
+            log.info("attempt %s of job %s %s: %s", job.attempt_id, job.id,
+                     "timed out" if outcome.timed_out else "failed", _first_line(RuntimeError(outcome.error)))
         return outcome
 
     def _recycle_hung(self, job: Job) -> None:

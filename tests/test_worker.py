@@ -1,0 +1,226 @@
+"""The worker process: wake-up by NOTIFY, standby takeover, one call at a time on a one-slot lane,
+graceful stop, handler failures, timeouts. Real `pglane worker` subprocesses, real signals."""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+import pglane
+from tests.conftest import Ledger, Workers, slot_holder, wait_until
+
+
+def wait_idle(conn: Any, lane: str) -> int:
+    """Wait until a worker holds the lane's slot and sits idle after a claim; returns its backend pid."""
+    def idle() -> int | None:
+        holders = slot_holder(conn, lane)
+        if not holders:
+            return None
+        row = conn.execute("SELECT state, query FROM pg_stat_activity WHERE pid = %s", (holders[0],)).fetchone()
+        ok = row and row["state"] == "idle" and "claim(" in row["query"]
+        return holders[0] if ok else None
+
+    return int(wait_until(idle, 20, "an idle worker holding the slot"))
+
+
+def status(conn: Any, job: int) -> str:
+    return str(pglane.job_status(conn, job)["status"])
+
+
+def assert_no_overlap(ledger: Ledger) -> None:
+    intervals = ledger.intervals()
+    for (_, end, job), (start, _, nxt) in zip(intervals, intervals[1:], strict=False):
+        assert end <= start, f"calls of jobs {job} and {nxt} overlapped on a one-slot lane"
+
+
+def test_an_idle_worker_starts_a_new_job_well_under_a_second_after_commit(
+    conn: Any, lane: str, workers: Workers
+) -> None:
+    workers.start(lane, "tests.handlers:paid_call", "--poll-interval", "30")
+    wait_idle(conn, lane)
+    delays = []
+    for _ in range(3):
+        job = pglane.enqueue(conn, lane, {})
+        wait_until(lambda j=job: status(conn, j) == "done", 10, "the job to run")
+        row = conn.execute("SELECT started_at - created_at AS d FROM pglane.jobs WHERE id = %s", (job,)).fetchone()
+        delays.append(row["d"].total_seconds())
+        wait_idle(conn, lane)
+    assert max(delays) < 1.0, delays  # a 30 s poll interval could not do this: only the NOTIFY can
+
+
+def test_jobs_queued_before_any_worker_listens_are_drained_when_one_starts(
+    conn: Any, lane: str, workers: Workers, ledger: Ledger
+) -> None:
+    jobs = [pglane.enqueue(conn, lane, {"n": n}) for n in range(5)]
+    workers.start(lane, "tests.handlers:paid_call", "--poll-interval", "30")
+    wait_until(lambda: all(status(conn, j) == "done" for j in jobs), 20, "the backlog to drain")
+    assert ledger.calls() == jobs
+
+
+def test_a_missed_notification_costs_at_most_one_poll_interval(conn: Any, lane: str, workers: Workers) -> None:
+    workers.start(lane, "tests.handlers:paid_call", "--poll-interval", "0.5")
+    wait_idle(conn, lane)
+    # Insert without the trigger's NOTIFY: as if the notification were lost.
+    conn.execute("ALTER TABLE pglane.jobs DISABLE TRIGGER jobs_after_insert")
+    job = pglane.enqueue(conn, lane, {})
+    conn.execute("ALTER TABLE pglane.jobs ENABLE TRIGGER jobs_after_insert")
+    wait_until(lambda: status(conn, job) == "done", 10, "the poll to pick the job up")
+
+
+def test_a_standby_takes_over_when_the_active_worker_is_killed_and_calls_never_overlap(
+    conn: Any, lane: str, workers: Workers, ledger: Ledger
+) -> None:
+    first = workers.start(lane)
+    first_pid = wait_until(lambda: slot_holder(conn, lane), 20, "a slot holder")[0]
+    second = workers.start(lane)
+    wait_until(lambda: "standby" in Workers.log(second), 20, "the second worker to wait as a standby")
+    jobs = [pglane.enqueue(conn, lane, {"sleep": 0.05}) for _ in range(20)]
+    wait_until(lambda: len(ledger.calls()) >= 5, 20, "some calls")
+    first.kill()
+    first.wait()
+    wait_until(lambda: slot_holder(conn, lane) not in ([], [first_pid]), 10, "the standby to take the slot")
+    wait_until(lambda: all(status(conn, j) in ("done", "failed") for j in jobs), 30, "every job to finish")
+    assert_no_overlap(ledger)
+    statuses = [status(conn, j) for j in jobs]
+    assert statuses.count("failed") <= 1  # only the call cut by SIGKILL, if one was running
+    assert sorted(ledger.calls()) == jobs  # nothing was called twice
+    assert second.poll() is None
+
+
+def test_a_standby_takes_over_when_the_active_worker_exits_on_sigterm(
+    conn: Any, lane: str, workers: Workers, ledger: Ledger
+) -> None:
+    first = workers.start(lane)
+    wait_until(lambda: slot_holder(conn, lane), 20, "a slot holder")
+    second = workers.start(lane)
+    wait_until(lambda: "standby" in Workers.log(second), 20, "the standby")
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(20) == 0
+    job = pglane.enqueue(conn, lane, {})
+    wait_until(lambda: status(conn, job) == "done", 20, "the standby to serve the job")
+    assert "holding slot 1" in Workers.log(second)
+
+
+def test_two_workers_started_at_once_on_a_one_slot_lane_never_run_two_calls_at_once(
+    conn: Any, lane: str, workers: Workers, ledger: Ledger
+) -> None:
+    jobs = [pglane.enqueue(conn, lane, {"sleep": 0.02}) for _ in range(30)]
+    procs = [workers.start(lane), workers.start(lane)]
+    wait_until(lambda: all(status(conn, j) == "done" for j in jobs), 30, "every job")
+    assert_no_overlap(ledger)
+    assert len(slot_holder(conn, lane)) == 1
+    assert sum("standby" in Workers.log(p) for p in procs) == 1
+
+
+def test_sigterm_finishes_the_current_call_and_exits_0(conn: Any, lane: str, workers: Workers, ledger: Ledger) -> None:
+    proc = workers.start(lane)
+    job = pglane.enqueue(conn, lane, {"sleep": 1.5})
+    wait_until(lambda: ledger.calls() == [job], 20, "the call to start")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    assert status(conn, job) == "done"
+    assert slot_holder(conn, lane) == []
+    leftover = conn.execute("SELECT count(*) AS n FROM pg_locks WHERE locktype = 'advisory'").fetchone()["n"]
+    assert leftover == 0
+
+
+def test_max_jobs_recycles_the_worker_with_exit_0_after_the_current_job(
+    conn: Any, lane: str, workers: Workers
+) -> None:
+    jobs = [pglane.enqueue(conn, lane, {}) for _ in range(5)]
+    proc = workers.start(lane, "tests.handlers:paid_call", "--max-jobs", "2")
+    assert proc.wait(30) == 0
+    assert [status(conn, j) for j in jobs] == ["done", "done", "queued", "queued", "queued"]
+
+
+def test_max_lifetime_recycles_an_idle_worker_with_exit_0(lane: str, workers: Workers) -> None:
+    proc = workers.start(lane, "tests.handlers:paid_call", "--max-lifetime", "1", "--poll-interval", "30")
+    assert proc.wait(30) == 0
+
+
+def test_a_handler_that_raises_fails_its_attempt_and_the_lane_goes_on(
+    conn: Any, lane: str, workers: Workers
+) -> None:
+    bad = pglane.enqueue(conn, lane, {"fail": "the provider said no"})
+    good = pglane.enqueue(conn, lane, {})
+    workers.start(lane)
+    wait_until(lambda: status(conn, good) == "done", 20, "the next job")
+    row = pglane.job_status(conn, bad)
+    assert row["status"] == "failed"
+    attempt = pglane.attempts(conn, bad)[0]
+    assert attempt["status"] == "failed"
+    assert attempt["error"].startswith("RuntimeError: the provider said no")
+    assert "Traceback" in attempt["error"]
+
+
+def test_a_result_that_is_not_json_fails_the_attempt_and_says_why(conn: Any, lane: str, workers: Workers) -> None:
+    job = pglane.enqueue(conn, lane, {})
+    workers.start(lane, "tests.handlers:not_json")
+    wait_until(lambda: status(conn, job) == "failed", 20, "the job to fail")
+    assert "not JSON-serialisable" in pglane.attempts(conn, job)[0]["error"]
+
+
+def test_an_async_handler_is_awaited(conn: Any, lane: str, workers: Workers) -> None:
+    job = pglane.enqueue(conn, lane, {"sleep": 0.1})
+    workers.start(lane, "tests.handlers:async_paid_call")
+    wait_until(lambda: status(conn, job) == "done", 20, "the job")
+    assert pglane.result(conn, job) == {"job": job, "seq": 1}
+
+
+def test_a_handler_past_its_job_timeout_is_recorded_timed_out(conn: Any, workers: Workers, ledger: Ledger) -> None:
+    pglane.create_lane(conn, "quick", job_timeout=1, lease_timeout=3)
+    slow = pglane.enqueue(conn, "quick", {"sleep": 30})
+    after = pglane.enqueue(conn, "quick", {})
+    workers.start("quick", "tests.handlers:async_paid_call")
+    wait_until(lambda: status(conn, after) == "done", 20, "the next job")
+    attempt = pglane.attempts(conn, slow)[0]
+    assert attempt["status"] == "timed_out" and "job_timeout of 1s" in attempt["error"]
+    assert status(conn, slow) == "failed"
+
+
+def test_a_handler_ignoring_cancellation_cannot_hold_the_slot_past_the_hard_timeout(
+    conn: Any, workers: Workers
+) -> None:
+    pglane.create_lane(conn, "hung", job_timeout=1, lease_timeout=3)
+    job = pglane.enqueue(conn, "hung", {"sleep": 60})
+    proc = workers.start("hung", "tests.handlers:ignores_cancellation")
+    assert proc.wait(30) == 75  # recycled: a supervisor restarts it
+    attempt = pglane.attempts(conn, job)[0]
+    assert attempt["status"] == "timed_out" and "hard timeout" in attempt["error"]
+    assert slot_holder(conn, "hung") == []
+
+
+def test_a_sync_handler_that_hangs_is_timed_out_and_the_process_recycled(conn: Any, workers: Workers) -> None:
+    pglane.create_lane(conn, "stuck", job_timeout=1, lease_timeout=3)
+    job = pglane.enqueue(conn, "stuck", {"sleep": 60})
+    proc = workers.start("stuck", "tests.handlers:paid_call")
+    assert proc.wait(30) == 75
+    assert pglane.attempts(conn, job)[0]["status"] == "timed_out"
+
+
+def test_the_worker_refuses_to_start_when_its_timeout_contradicts_the_lane(lane: str, workers: Workers) -> None:
+    proc = workers.start(lane, "tests.handlers:paid_call", "--timeout", "30")  # lease is 22 s
+    assert proc.wait(30) == 2
+    assert "R2 worker timeout < lease_timeout" in Workers.log(proc)
+
+
+def test_the_worker_refuses_an_unknown_lane_and_a_bad_handler(conn: Any, lane: str, workers: Workers) -> None:
+    unknown = workers.start("nope")
+    assert unknown.wait(30) == 1
+    assert "unknown lane 'nope'" in Workers.log(unknown)
+    bad = workers.start(lane, "tests.handlers:missing")
+    assert bad.wait(30) == 2
+    assert "has no 'missing'" in Workers.log(bad)
+
+
+def test_the_worker_log_says_what_it_does_in_one_line_each(conn: Any, lane: str, workers: Workers) -> None:
+    proc = workers.start(lane)
+    wait_until(lambda: slot_holder(conn, lane), 20, "the slot")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(20) == 0
+    lines = Workers.log(proc).splitlines()
+    assert any("holding slot 1 of lane brain" in line for line in lines)
+    assert any("SIGTERM received" in line for line in lines)
+    assert not any(line.startswith("Traceback") for line in lines)
+
+
