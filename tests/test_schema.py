@@ -1,0 +1,102 @@
+"""Migrations own the schema: up from an empty database, down to empty, alembic's version table
+inside the pglane schema, and a wheel that carries migrations and SQL to `pglane migrate`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+import pglane
+from pglane import schema
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def objects(conn: Any) -> dict[str, int]:
+    row = conn.execute(
+        "SELECT (SELECT count(*) FROM pg_namespace WHERE nspname = 'pglane') AS schemas,"
+        " (SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+        "   WHERE n.nspname = 'pglane') AS relations,"
+        " (SELECT count(*) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
+        "   WHERE n.nspname = 'pglane') AS functions,"
+        " (SELECT count(*) FROM pg_class WHERE relname = 'alembic_version'"
+        "   AND relnamespace NOT IN (SELECT oid FROM pg_namespace WHERE nspname = 'pglane')) AS foreign_version_tables"
+    ).fetchone()
+    return dict(row)
+
+
+def test_migrate_down_to_empty_and_up_again(dsn: str, conn: Any) -> None:
+    migrated = objects(conn)
+    assert migrated["schemas"] == 1 and migrated["relations"] > 5 and migrated["functions"] > 10
+    schema.downgrade(dsn)
+    assert objects(conn) == {"schemas": 0, "relations": 0, "functions": 0, "foreign_version_tables": 0}
+    assert schema.current_revision(conn) is None
+    schema.upgrade(dsn)
+    assert objects(conn) == migrated
+    assert schema.current_revision(conn) == schema.HEAD
+    pglane.create_lane(conn, "again", job_timeout=10)
+    assert pglane.enqueue(conn, "again", {}) == 1
+
+
+def test_alembic_version_table_lives_in_the_pglane_schema(conn: Any) -> None:
+    row = conn.execute("SELECT to_regclass('pglane.alembic_version') AS inside,"
+                       " to_regclass('public.alembic_version') AS outside").fetchone()
+    assert row["inside"] is not None and row["outside"] is None
+
+
+def test_migrating_twice_is_a_no_op(dsn: str, conn: Any) -> None:
+    before = objects(conn)
+    schema.upgrade(dsn)
+    assert objects(conn) == before
+
+
+def test_commands_refuse_an_unmigrated_database_with_what_to_do(dsn: str, conn: Any) -> None:
+    schema.downgrade(dsn)
+    with pytest.raises(pglane.SchemaError, match="run: pglane migrate"):
+        schema.require_current(conn)
+
+
+def test_the_claim_uses_the_queue_index_whatever_the_history(conn: Any, lane: str) -> None:
+    conn.execute("INSERT INTO pglane.jobs (lane, payload) SELECT 'brain', '{}' FROM generate_series(1, 2000)")
+    conn.execute("UPDATE pglane.jobs SET status = 'done' WHERE id <= 1990")
+    conn.execute("ANALYZE pglane.jobs")
+    plan = "\n".join(r["QUERY PLAN"] for r in conn.execute(
+        "EXPLAIN SELECT id FROM pglane.jobs WHERE lane = 'brain' AND status = 'queued' AND run_after <= now()"
+        " ORDER BY created_at, id LIMIT 1 FOR UPDATE SKIP LOCKED"))
+    assert "jobs_queue" in plan
+
+
+@pytest.mark.timeout(600)
+def test_the_built_wheel_ships_migrations_and_sql_and_migrates_from_a_fresh_venv(
+    dsn: str, tmp_path: Path
+) -> None:
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(wheels), str(ROOT)], check=True, cwd=tmp_path)
+    wheel = next(wheels.glob("pglane-*.whl"))
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=False)
+    site = next(env_dir.glob("lib/python*/site-packages"))
+    # Dependencies come from the test environment (no network); pglane itself only from the wheel.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # no pglane but the wheel's
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(env_dir / "bin" / "python"), "install",
+                    "--no-deps", "-q", str(wheel)], check=True, env=env)
+    deps = [p for p in sys.path if p.endswith("site-packages")]
+    (site / "zz_deps.pth").write_text("\n".join(deps) + "\n")
+    python = env_dir / "bin" / "python"
+    where = subprocess.run([python, "-c", "import pglane; print(pglane.__file__)"], capture_output=True,
+                           text=True, check=True, cwd=tmp_path, env=env).stdout
+    assert where.startswith(str(site))
+    schema.downgrade(dsn)
+    done = subprocess.run([env_dir / "bin" / "pglane", "--dsn", dsn, "migrate"], capture_output=True, text=True,
+                          cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
+    with psycopg.connect(dsn) as c:
+        assert schema.current_revision(c) == schema.HEAD
