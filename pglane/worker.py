@@ -26,7 +26,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import psycopg
 from tenacity import AsyncRetrying, RetryError, retry_if_exception_type, wait_exponential
@@ -309,7 +309,7 @@ class Worker:
                      "timed out" if outcome.timed_out else "failed", _first_line(RuntimeError(outcome.error)))
         return outcome
 
-    def _recycle_hung(self, job: Job) -> None:
+    def _recycle_hung(self, job: Job) -> NoReturn:
         log.error("attempt %s of job %s: the handler ignored cancellation past the hard timeout; recorded "
                   "timed_out, recycling the process (exit %s)", job.attempt_id, job.id, EXIT_HUNG)
         logging.shutdown()

@@ -163,7 +163,8 @@ def test_late_completion_is_refused_after_a_newer_attempt(conn: Any) -> None:
     stale = conn.execute("SELECT pglane.complete(%s, '{\"stale\": true}') AS ok", (first["attempt_id"],)).fetchone()
     assert stale["ok"] is False
     assert conn.execute("SELECT status, result FROM pglane.jobs").fetchone() == {"status": "running", "result": None}
-    assert conn.execute("SELECT pglane.complete(%s, '{\"fresh\": true}') AS ok", (second["attempt_id"],)).fetchone()["ok"]
+    fresh = conn.execute("SELECT pglane.complete(%s, '{\"fresh\": true}') AS ok", (second["attempt_id"],))
+    assert fresh.fetchone()["ok"]
     assert pglane.result(conn, job) == {"fresh": True}
 
 
@@ -256,6 +257,7 @@ def test_every_lane_pglane_creates_by_default_has_a_lease_longer_than_its_job_ti
 
 def test_a_lane_created_with_no_options_has_the_seed_numbers(conn: Any) -> None:
     conn.execute("INSERT INTO pglane.lanes (name) VALUES ('plain')")
-    row = conn.execute("SELECT slots, job_timeout, lease_timeout, max_attempts, max_queued FROM pglane.lanes").fetchone()
+    row = conn.execute("SELECT slots, job_timeout, lease_timeout, max_attempts, max_queued"
+                       " FROM pglane.lanes").fetchone()
     assert (row["slots"], row["max_attempts"], row["max_queued"]) == (1, 1, None)
     assert (row["job_timeout"].total_seconds(), row["lease_timeout"].total_seconds()) == (600, 660)

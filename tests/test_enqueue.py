@@ -18,7 +18,8 @@ def count_jobs(conn: Any) -> int:
 
 def test_plain_insert_enqueues_a_queued_job(conn: Any, lane: str) -> None:
     conn.execute("INSERT INTO pglane.jobs (lane, payload) VALUES ('brain', '{\"q\": 1}')")
-    row = conn.execute("SELECT status, payload, attempts, seq, run_after = created_at AS now FROM pglane.jobs").fetchone()
+    row = conn.execute("SELECT status, payload, attempts, seq, run_after = created_at AS now"
+                       " FROM pglane.jobs").fetchone()
     assert row == {"status": "queued", "payload": {"q": 1}, "attempts": 0, "seq": None, "now": True}
 
 

@@ -3,6 +3,7 @@ graceful stop, handler failures, timeouts. Real `pglane worker` subprocesses, re
 
 from __future__ import annotations
 
+import itertools
 import signal
 from typing import Any
 
@@ -29,7 +30,7 @@ def status(conn: Any, job: int) -> str:
 
 def assert_no_overlap(ledger: Ledger) -> None:
     intervals = ledger.intervals()
-    for (_, end, job), (start, _, nxt) in zip(intervals, intervals[1:], strict=False):
+    for (_, end, job), (start, _, nxt) in itertools.pairwise(intervals):
         assert end <= start, f"calls of jobs {job} and {nxt} overlapped on a one-slot lane"
 
 

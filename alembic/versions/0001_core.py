@@ -20,7 +20,6 @@ that changes a function re-applies sql/; one that changes a table does it in its
 """
 
 from alembic import op
-
 from pglane.schema import SQL_FILES, sql_text
 
 revision = "0001"
