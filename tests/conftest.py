@@ -108,7 +108,8 @@ class Ledger:
         path.touch()
 
     def events(self) -> list[tuple[str, int, int, int]]:
-        """(event, job id, attempt id, monotonic ns) for every complete line; event is start or end."""
+        """(event, job id, attempt id, monotonic ns) for every complete line; event is claimed, start
+        or end (see tests/handlers.py)."""
         out = []
         for line in self.path.read_text().splitlines():
             parts = line.split()
@@ -119,6 +120,10 @@ class Ledger:
     def calls(self) -> list[int]:
         """The job id of every paid call made (started), in order."""
         return [job for event, job, _, _ in self.events() if event == "start"]
+
+    def attempts_of(self, event: str) -> list[int]:
+        """The attempt id of every line with this event."""
+        return [attempt for e, _, attempt, _ in self.events() if e == event]
 
     def intervals(self) -> list[tuple[int, int, int]]:
         """(start ns, end ns, job id) of every call that finished."""

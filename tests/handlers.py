@@ -1,11 +1,15 @@
 """Handlers the tests run in real worker processes. ``paid_call`` is the fake paid service: it
-records the start and the end of every call in the ledger (append + fsync, outside the database)
-and behaves as the payload asks: {"sleep": s}, {"fail": "message"}, {"result": value}."""
+records in the ledger (append + fsync, outside the database) that the handler got the job
+("claimed"), that the paid call began ("start") and that it answered ("end"), and behaves as the
+payload asks: {"hold_before": s} waits between claim and call, {"sleep": s} is the call's length,
+{"hold_after": s} waits between the answer and returning it, {"fail": "message"} raises,
+{"poison": true} kills its own process in the middle of the call, {"result": value}."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from typing import Any
 
@@ -23,12 +27,17 @@ def _record(event: str, job: Job) -> None:
 
 
 def paid_call(job: Job) -> Any:
-    _record("start", job)
     payload = job.payload if isinstance(job.payload, dict) else {}
+    _record("claimed", job)
+    time.sleep(float(payload.get("hold_before", 0)))
+    _record("start", job)
+    if payload.get("poison"):
+        os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(float(payload.get("sleep", 0)))
     if "fail" in payload:
         raise RuntimeError(payload["fail"])
     _record("end", job)
+    time.sleep(float(payload.get("hold_after", 0)))
     return payload.get("result", {"job": job.id, "seq": job.seq})
 
 
