@@ -5,6 +5,7 @@ migrated template database cloned per test, worker subprocesses, and the fake pa
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -129,6 +130,12 @@ class Ledger:
         """(start ns, end ns, job id) of every call that finished."""
         starts = {attempt: (t, job) for event, job, attempt, t in self.events() if event == "start"}
         return sorted((starts[a][0], t, job) for event, job, a, t in self.events() if event == "end" and a in starts)
+
+    def assert_one_call_at_a_time(self, since_ns: int = 0) -> None:
+        """No two finished calls that started after ``since_ns`` overlapped in time."""
+        intervals = [i for i in self.intervals() if i[0] >= since_ns]
+        for (_, end, job), (start, _, nxt) in itertools.pairwise(intervals):
+            assert end <= start, f"the calls of jobs {job} and {nxt} overlapped on a one-slot lane"
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@ graceful stop, handler failures, timeouts. Real `pglane worker` subprocesses, re
 
 from __future__ import annotations
 
-import itertools
 import signal
 from typing import Any
 
@@ -26,12 +25,6 @@ def wait_idle(conn: Any, lane: str) -> int:
 
 def status(conn: Any, job: int) -> str:
     return str(pglane.job_status(conn, job)["status"])
-
-
-def assert_no_overlap(ledger: Ledger) -> None:
-    intervals = ledger.intervals()
-    for (_, end, job), (start, _, nxt) in itertools.pairwise(intervals):
-        assert end <= start, f"calls of jobs {job} and {nxt} overlapped on a one-slot lane"
 
 
 def test_an_idle_worker_starts_a_new_job_well_under_a_second_after_commit(
@@ -81,7 +74,7 @@ def test_a_standby_takes_over_when_the_active_worker_is_killed_and_calls_never_o
     first.wait()
     wait_until(lambda: slot_holder(conn, lane) not in ([], [first_pid]), 10, "the standby to take the slot")
     wait_until(lambda: all(status(conn, j) in ("done", "failed") for j in jobs), 30, "every job to finish")
-    assert_no_overlap(ledger)
+    ledger.assert_one_call_at_a_time()
     statuses = [status(conn, j) for j in jobs]
     assert statuses.count("failed") <= 1  # only the call cut by SIGKILL, if one was running
     assert sorted(ledger.calls()) == jobs  # nothing was called twice
@@ -108,7 +101,7 @@ def test_two_workers_started_at_once_on_a_one_slot_lane_never_run_two_calls_at_o
     jobs = [pglane.enqueue(conn, lane, {"sleep": 0.02}) for _ in range(30)]
     procs = [workers.start(lane), workers.start(lane)]
     wait_until(lambda: all(status(conn, j) == "done" for j in jobs), 30, "every job")
-    assert_no_overlap(ledger)
+    ledger.assert_one_call_at_a_time()
     assert len(slot_holder(conn, lane)) == 1
     assert sum("standby" in Workers.log(p) for p in procs) == 1
 
