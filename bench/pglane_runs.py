@@ -1,0 +1,229 @@
+"""pglane itself: the real worker as a consumer (throughput, wake, cost through bench.real), claim
+latency against backlog and history, standby takeover, and enqueue throughput.
+
+All of it runs in database bench_pglane, migrated with pglane.schema.upgrade, on its own lanes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import statistics
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from pglane import client, schema
+
+from . import procs
+from .real import Put, RealSystem
+from .stats import latency_ms, progress, rotations, summary, wait_until
+
+LANE = "bench"
+CLAIM_LANE = "claims"
+TAKEOVER_LANE = "takeover"
+ENQ_LANES = {"enq": None, "enq_unbounded": None, "enq_bounded": 100_000_000}
+FLOOR_LANE = "floor"
+ENQUEUE = "SELECT pglane.enqueue(%s, %s::jsonb)"
+
+
+def lane_id(conn: psycopg.Connection[Any], name: str) -> int:
+    row = conn.execute(procs.PROBE + "SELECT id FROM pglane.lanes WHERE name = %s", (name,)).fetchone()
+    assert row is not None, name
+    return int(row[0])
+
+
+def load_queued(conn: psycopg.Connection[Any], lane: str, count: int) -> None:
+    """count queued jobs in one statement, through pglane's insert triggers (validation, bound, NOTIFY)."""
+    conn.execute("INSERT INTO pglane.jobs (lane, payload) SELECT %s, jsonb_build_object('n', g)"
+                 " FROM generate_series(0, %s - 1) g", (lane, count))
+
+
+def load_finished(conn: psycopg.Connection[Any], lane: str, count: int) -> None:
+    """count finished jobs with one done attempt each, written directly: the insert trigger refuses
+    non-queued rows, so triggers (and FK checks) are off for this session while it loads history."""
+    conn.execute("SET session_replication_role = replica")
+    try:
+        conn.execute(
+            "INSERT INTO pglane.jobs (lane, payload, status, created_at, run_after, started_at, finished_at,"
+            " attempts, result, seq)"
+            " SELECT %s, jsonb_build_object('n', g), 'done', t, t, t, t + interval '1 ms', 1, 'null', g"
+            " FROM generate_series(1, %s) g, LATERAL (SELECT now() - interval '1 day' + g * interval '1 ms' AS t) x",
+            (lane, count))
+        conn.execute(
+            "INSERT INTO pglane.attempts (job_id, attempt_number, status, worker, backend_pid, backend_start,"
+            " started_at, finished_at, lease_expires_at, seq)"
+            " SELECT id, 1, 'done', 'history', 0, created_at, started_at, finished_at,"
+            " started_at + interval '660 seconds', seq FROM pglane.jobs WHERE lane = %s", (lane,))
+    finally:
+        conn.execute("RESET session_replication_role")
+
+
+def truncate(conn: psycopg.Connection[Any]) -> None:
+    conn.execute("TRUNCATE pglane.attempts, pglane.jobs")
+
+
+class Pglane(RealSystem):
+    name = "pglane"
+    db = "pglane"
+    remaining_sql = ("SELECT count(*) FROM (SELECT 1 FROM pglane.jobs"
+                     f" WHERE lane = '{LANE}' AND status IN ('queued', 'running') LIMIT 1) s")
+    finished_sql = f"SELECT extract(epoch FROM max(finished_at))::float8 FROM pglane.jobs WHERE lane = '{LANE}'"
+
+    def setup(self, dsn: str) -> None:
+        schema.upgrade(dsn)
+        with client.connect(dsn) as conn:
+            for name in (LANE, CLAIM_LANE, TAKEOVER_LANE, FLOOR_LANE):
+                client.create_lane(conn, name)
+            for name, bound in ENQ_LANES.items():
+                client.create_lane(conn, name, max_queued=bound)
+
+    def reset(self, conn: psycopg.Connection[Any]) -> None:
+        truncate(conn)
+
+    def worker(self, dsn: str, handler: str, lane: str = LANE) -> tuple[list[str], dict[str, str]]:
+        return (["-m", "pglane", "worker", lane, "--handler", f"bench.handlers:{handler}", "--poll-interval", "5"],
+                {"PGLANE_DSN": dsn})
+
+    def bulk_enqueue(self, dsn: str, n: int) -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            load_queued(conn, LANE, n)
+
+    def producer(self, dsn: str) -> AbstractAsyncContextManager[Put]:
+        @contextlib.asynccontextmanager
+        async def context() -> AsyncIterator[Put]:
+            async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+                async def put(n: int) -> None:
+                    await conn.execute("SELECT pglane.enqueue(%s, %s::jsonb)", (LANE, f'{{"n": {n}}}'))
+
+                yield put
+
+        return context()
+
+
+# ----- claim latency ---------------------------------------------------------------------------
+
+def claim_latency(dsn: str, queued: int, finished: int, claims: int, label: str) -> dict[str, Any]:
+    """p50/p99 of pglane.claim() with ``queued`` jobs waiting and ``finished`` jobs of history.
+    Each timed claim is followed (untimed) by complete() and the enqueue of one new job, so the
+    backlog stays at ``queued``."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        truncate(conn)
+        progress(f"{label}: loading {finished} finished + {queued} queued")
+        if finished:
+            load_finished(conn, CLAIM_LANE, finished)
+        load_queued(conn, CLAIM_LANE, queued)
+        conn.execute("VACUUM ANALYZE pglane.jobs")
+        if finished:
+            conn.execute("VACUUM ANALYZE pglane.attempts")  # never analyze it empty: see performance.md
+        conn.execute("SELECT pg_advisory_lock(%s, 1)", (lane_id(conn, CLAIM_LANE),))
+        progress(f"{label}: {claims} claims")
+        samples: list[float] = []
+        for i in range(claims + 20):  # the first 20 warm the session's plan cache, untimed
+            t0 = time.perf_counter()
+            row = conn.execute("SELECT attempt_id FROM pglane.claim(%s, 'bench')", (CLAIM_LANE,)).fetchone()
+            elapsed = time.perf_counter() - t0
+            assert row is not None, "the backlog ran dry"
+            if i >= 20:
+                samples.append(elapsed)
+            conn.execute("SELECT pglane.complete(%s, 'null')", (row[0],))
+            conn.execute("INSERT INTO pglane.jobs (lane) VALUES (%s)", (CLAIM_LANE,))
+        conn.execute("SELECT pg_advisory_unlock_all()")
+        truncate(conn)
+    stats = latency_ms(samples)
+    return {"queued": queued, "finished": finished, "p50_ms": stats["p50_ms"], "p99_ms": stats["p99_ms"],
+            "claims": claims}
+
+
+# ----- takeover --------------------------------------------------------------------------------
+
+def _slot_state(admin: psycopg.Connection[Any], lid: int) -> tuple[int, int]:
+    """(granted, waiting) session locks on slot 1 of lane id ``lid``."""
+    row = admin.execute(
+        procs.PROBE + "SELECT count(*) FILTER (WHERE granted), count(*) FILTER (WHERE NOT granted) FROM pg_locks"
+        " WHERE locktype = 'advisory' AND classid = %s AND objid = 1 AND objsubid = 2", (lid,)).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])
+
+
+def takeover(dsn: str, admin_dsn: str, kills: int, logs: Path) -> dict[str, Any]:
+    """SIGKILL the active worker of a one-slot lane in the middle of a call while a standby waits and
+    the next job is queued; time from the kill to the standby's handler starting that next job."""
+    system = Pglane()
+    stamps_file = logs / "takeover.stamps"
+    stamps_file.unlink(missing_ok=True)
+    args, env = system.worker(dsn, "stamp", lane=TAKEOVER_LANE)
+    env = {**env, "BENCH_STAMPS": str(stamps_file)}
+    samples: list[float] = []
+    with psycopg.connect(admin_dsn, autocommit=True) as admin, psycopg.connect(dsn, autocommit=True) as conn:
+        lid = lane_id(conn, TAKEOVER_LANE)
+        for k in range(kills):
+            progress(f"takeover: kill {k + 1}/{kills}")
+            with procs.running(args, logs / "takeover-active.log", env) as active:
+                wait_until(lambda: _slot_state(admin, lid)[0] == 1, 30, "the active worker's slot")
+                with procs.running(args, logs / "takeover-standby.log", env) as standby:
+                    wait_until(lambda: _slot_state(admin, lid)[1] == 1, 30, "the standby to wait")
+                    first, second = 2 * k, 2 * k + 1
+                    conn.execute(ENQUEUE, (TAKEOVER_LANE, f'{{"n": {first}, "sleep": 60}}'))
+                    wait_until(procs.has_stamp(stamps_file, first), 30, "the active worker's call")
+                    conn.execute(ENQUEUE, (TAKEOVER_LANE, f'{{"n": {second}}}'))
+                    killed_at = time.time()
+                    active.send_signal(signal.SIGKILL)
+                    wait_until(procs.has_stamp(stamps_file, second), 30, "the standby to take over")
+                    samples.append(procs.read_stamps(stamps_file)[second] - killed_at)
+                    procs.stop(standby)
+                procs.stop(active)
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "runs": samples}
+
+
+# ----- enqueue throughput ----------------------------------------------------------------------
+
+def _one_by_one(query: str, lane: str) -> Callable[[psycopg.Connection[Any], int], None]:
+    def run(conn: psycopg.Connection[Any], n: int) -> None:
+        for i in range(n):
+            conn.execute(query, (lane, f'{{"n": {i}}}'))
+
+    return run
+
+
+def _batch(conn: psycopg.Connection[Any], n: int) -> None:
+    with conn.transaction(), conn.cursor() as cur:
+        cur.executemany("INSERT INTO pglane.jobs (lane, payload) VALUES (%s, %s::jsonb)",
+                        [("enq", f'{{"n": {i}}}') for i in range(n)])
+
+
+INSERT = "INSERT INTO pglane.jobs (lane, payload) VALUES (%s, %s::jsonb)"
+ENQUEUE_VARIANTS: dict[str, Callable[[psycopg.Connection[Any], int], None]] = {
+    "insert": _one_by_one(INSERT, "enq"),
+    "enqueue_fn": _one_by_one(ENQUEUE, "enq"),
+    "batch_executemany": _batch,
+    "insert_unbounded_100k": _one_by_one(INSERT, "enq_unbounded"),
+    "insert_bounded_100k": _one_by_one(INSERT, "enq_bounded"),
+}
+
+
+def enqueue_throughput(dsn: str, n: int, backlog: int, repetitions: int) -> dict[str, Any]:
+    """Jobs/s of one producer for each variant (one commit per job except the batch), interleaved.
+    The *_100k variants insert into lanes that already hold ``backlog`` queued jobs; the bounded
+    lane has max_queued set (far above), so every insert maintains and checks its counter."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        truncate(conn)
+        progress(f"enqueue: loading {backlog} queued into a bounded and an unbounded lane")
+        load_queued(conn, "enq_unbounded", backlog)
+        load_queued(conn, "enq_bounded", backlog)
+        conn.execute("VACUUM ANALYZE pglane.jobs")
+        runs: dict[str, list[float]] = {name: [] for name in ENQUEUE_VARIANTS}
+        for rep, name in rotations(list(ENQUEUE_VARIANTS), repetitions):
+            progress(f"enqueue: {name} (repetition {rep + 1}/{repetitions})")
+            t0 = time.perf_counter()
+            ENQUEUE_VARIANTS[name](conn, n)
+            runs[name].append(n / (time.perf_counter() - t0))
+        truncate(conn)
+    result: dict[str, Any] = {name: {"jobs_per_s": summary(values)} for name, values in runs.items()}
+    result["jobs_per_run"] = n
+    result["backlog"] = backlog
+    return result
