@@ -85,6 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--max-lifetime", type=_seconds)
     w.add_argument("--timeout", type=_seconds, help="hard timeout; default: job_timeout + a margin")
     w.add_argument("--name", help="worker name recorded on attempts (default: host:pid)")
+    w.add_argument("--recover-interval", type=_seconds, default=30.0,
+                   help="how often the slot holder recovers attempts whose worker is gone (default 30)")
 
     st = sub.add_parser("status", help="one row per lane, with the next safe action")
     st.add_argument("--json", action="store_true")
@@ -164,7 +166,8 @@ def _worker(dsn: str, args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s[%(process)d] %(message)s")
     options = WorkerOptions(poll_interval=args.poll_interval, max_jobs=args.max_jobs,
-                            max_lifetime=args.max_lifetime, timeout=args.timeout, name=args.name)
+                            max_lifetime=args.max_lifetime, timeout=args.timeout, name=args.name,
+                            recover_interval=args.recover_interval)
     with client.connect(dsn) as conn:
         schema.require_current(conn)
     return Worker(dsn, args.lane, handler.load(args.handler), options).run()

@@ -236,17 +236,23 @@ class Worker:
         loop = asyncio.get_running_loop()
         job = await self._claim(session)
         while True:
-            while job is not None:
+            if job is not None:
                 outcome = await self._call(session, job, lane)
                 self.jobs_run += 1
                 if self._done():
                     await self._write(session, job, outcome)
                     return
-                job = await self._write_and_claim(session, job, outcome)
+                if loop.time() < self._next_recover:
+                    job = await self._write_and_claim(session, job, outcome)  # the fast path
+                    continue
+                await self._write(session, job, outcome)
             if self._done():
                 return
-            if loop.time() >= self._next_recover:
+            if loop.time() >= self._next_recover:  # when idle, and between jobs of a long busy spell
                 await self._recover(session)
+                job = await self._claim(session)
+                if job is not None:
+                    continue
             await self._idle(session)
             if self._done():
                 return

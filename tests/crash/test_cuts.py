@@ -149,3 +149,24 @@ def test_a_poison_job_that_kills_its_worker_fails_once_and_never_wedges_the_lane
     assert [pglane.job_status(conn, j)["status"] for j in after] == ["done"] * 3
     assert ledger.calls().count(poison) == 1
     check_invariants(conn, lane, [poison, *after], ledger)
+
+
+def test_a_busy_worker_recovers_a_dead_peers_attempt_periodically(
+    dsn: str, conn: Any, workers: Workers, ledger: Ledger
+) -> None:
+    pglane.create_lane(conn, "pair", slots=2, job_timeout=20)
+    orphan = pglane.enqueue(conn, "pair", {})
+    peer = pglane.connect(dsn)  # a peer holding slot 2 claims a job
+    peer.execute("SELECT pg_advisory_lock(id, 2) FROM pglane.lanes WHERE name = 'pair'")
+    assert peer.execute("SELECT job_id FROM pglane.claim('pair', 'peer')").fetchone()["job_id"] == orphan
+    busy = [pglane.enqueue(conn, "pair", {"sleep": 0.02}) for _ in range(400)]
+    workers.start("pair", "tests.handlers:paid_call", "--recover-interval", "0.5")
+    wait_until(lambda: len(ledger.calls()) >= 10, 20, "the worker to be busy")
+    assert pglane.job_status(conn, orphan)["status"] == "running"  # its peer is alive: nothing to recover
+    peer.close()  # ... and now dies without a word, while the worker is busy
+    wait_until(lambda: pglane.job_status(conn, orphan)["status"] == "failed", 20, "the periodic recovery")
+    still_busy = conn.execute("SELECT count(*) AS n FROM pglane.jobs WHERE id = ANY(%s) AND status = 'queued'",
+                              (busy,)).fetchone()["n"]
+    assert still_busy > 0  # recovered while the worker was draining, not only when idle
+    drained(conn, "pair", busy, timeout=120)
+    check_invariants(conn, "pair", [orphan, *busy], ledger)

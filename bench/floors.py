@@ -1,0 +1,192 @@
+"""The floors: hand-written psycopg loops that show what one consumer could reach at all.
+
+floor_two_commits: claim job N (commit), complete it (commit): two round trips, two commits per job.
+floor_one_commit:  one statement completes job N and claims job N+1: one round trip, one commit.
+  Both run on a bare table (bench_floor.floor_jobs) with one partial queue index.
+floor_contract:    pglane's own SQL on pglane's schema, no worker: take the slot lock, pglane.claim once,
+  then pglane.complete_and_claim per job. What the worker could reach if Python cost nothing.
+floor_listen:      a bare LISTEN consumer process (``python -m bench.floors listen DSN``): wait for a
+  NOTIFY, then drain with the one-commit statement; its handler stamps the start of each job.
+
+Every throughput loop starts with N preloaded jobs, a connected session and (floor_contract) the slot
+lock held, and stops when the call that completes the last job returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from . import procs
+from .pglane_runs import FLOOR_LANE, load_queued, truncate
+from .real import Put, RealSystem
+
+SCHEMA = """
+CREATE TABLE floor_jobs (
+    id          bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    payload     jsonb       NOT NULL DEFAULT '{}',
+    status      text        NOT NULL DEFAULT 'queued',
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    started_at  timestamptz,
+    finished_at timestamptz
+);
+CREATE INDEX floor_jobs_queue ON floor_jobs (id) WHERE status = 'queued';
+CREATE FUNCTION floor_wake() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify('floor_wake', '');
+    RETURN NULL;
+END $$;
+CREATE TRIGGER floor_wake AFTER INSERT ON floor_jobs FOR EACH STATEMENT EXECUTE FUNCTION floor_wake();
+"""
+
+CLAIM = ("UPDATE floor_jobs SET status = 'running', started_at = now()"
+         " WHERE id = (SELECT id FROM floor_jobs WHERE status = 'queued' ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED)"
+         " RETURNING id, payload")
+COMPLETE = "UPDATE floor_jobs SET status = 'done', finished_at = now() WHERE id = %(prev)s"
+COMPLETE_AND_CLAIM = f"WITH done AS ({COMPLETE}) {CLAIM}"
+CONTRACT_CLAIM = "SELECT * FROM pglane.claim(%s, %s)"
+CONTRACT_NEXT = "SELECT * FROM pglane.complete_and_claim(%s, %s::jsonb, %s, %s)"
+MAX_SECONDS = 300.0
+
+
+def setup(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(SCHEMA)
+
+
+def handler(payload: Any) -> None:
+    """The no-op job."""
+
+
+def preload(dsn: str, n: int) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("TRUNCATE floor_jobs")
+        conn.execute("INSERT INTO floor_jobs (payload) SELECT jsonb_build_object('n', g)"
+                     " FROM generate_series(0, %s - 1) g", (n,))
+
+
+def _bounded(n: int) -> range:
+    return range(n + 2)  # every loop ends after the last job; the bound only catches a runaway
+
+
+def two_commits(dsn: str, n: int) -> float:
+    """Seconds to drain n preloaded jobs, claim and complete in two commits."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        t0 = time.perf_counter()
+        for _ in _bounded(n):
+            row = conn.execute(CLAIM).fetchone()
+            if row is None:
+                break
+            handler(row[1])
+            conn.execute(COMPLETE, {"prev": row[0]})
+        return time.perf_counter() - t0
+
+
+def one_commit(dsn: str, n: int) -> float:
+    """Seconds to drain n preloaded jobs, completing job N in the statement that claims job N+1."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        t0 = time.perf_counter()
+        prev: int | None = None
+        for _ in _bounded(n):
+            row = conn.execute(COMPLETE_AND_CLAIM, {"prev": prev}).fetchone()
+            if row is None:
+                break
+            handler(row[1])
+            prev = row[0]
+        return time.perf_counter() - t0
+
+
+def contract_preload(dsn: str, n: int) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        truncate(conn)
+        load_queued(conn, FLOOR_LANE, n)
+
+
+def contract(dsn: str, n: int) -> float:
+    """Seconds to drain n preloaded jobs through pglane.claim + pglane.complete_and_claim."""
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
+        lid = _lane_id(conn)
+        conn.execute("SELECT pg_advisory_lock(%s, 1)", (lid,))
+        t0 = time.perf_counter()
+        row = conn.execute(CONTRACT_CLAIM, (FLOOR_LANE, "floor")).fetchone()
+        for _ in _bounded(n):
+            if row is None or row["job_id"] is None:
+                break
+            handler(row["payload"])
+            row = conn.execute(CONTRACT_NEXT, (row["attempt_id"], "null", FLOOR_LANE, "floor")).fetchone()
+        elapsed = time.perf_counter() - t0
+        conn.execute("SELECT pg_advisory_unlock(%s, 1)", (lid,))
+        return elapsed
+
+
+def _lane_id(conn: psycopg.Connection[Any]) -> int:
+    row = conn.execute("SELECT id FROM pglane.lanes WHERE name = %s", (FLOOR_LANE,)).fetchone()
+    assert row is not None
+    return int(row["id"])
+
+
+class FloorListen(RealSystem):
+    """The wake-latency floor as a consumer process."""
+
+    name = "floor_listen"
+    db = "floor"
+    remaining_sql = "SELECT count(*) FROM floor_jobs WHERE status IN ('queued', 'running')"
+    finished_sql = "SELECT extract(epoch FROM max(finished_at))::float8 FROM floor_jobs"
+
+    def setup(self, dsn: str) -> None:
+        setup(dsn)
+
+    def reset(self, conn: psycopg.Connection[Any]) -> None:
+        conn.execute("TRUNCATE floor_jobs")
+
+    def worker(self, dsn: str, handler: str) -> tuple[list[str], dict[str, str]]:
+        return ["-m", "bench.floors", "listen", dsn], {}
+
+    def bulk_enqueue(self, dsn: str, n: int) -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("INSERT INTO floor_jobs (payload) SELECT jsonb_build_object('n', g)"
+                         " FROM generate_series(0, %s - 1) g", (n,))
+
+    def producer(self, dsn: str) -> AbstractAsyncContextManager[Put]:
+        @contextlib.asynccontextmanager
+        async def context() -> AsyncIterator[Put]:
+            async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+                async def put(n: int) -> None:
+                    await conn.execute("INSERT INTO floor_jobs (payload) VALUES (%s::jsonb)", (f'{{"n": {n}}}',))
+
+                yield put
+
+        return context()
+
+
+def listen_main(dsn: str) -> int:
+    """The floor_listen consumer: LISTEN, drain on every wake-up, stamp each job. Ends on SIGTERM
+    (default action) or after MAX_SECONDS."""
+    deadline = time.monotonic() + MAX_SECONDS
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("LISTEN floor_wake")
+        prev: int | None = None
+        while time.monotonic() < deadline:
+            while True:
+                row = conn.execute(COMPLETE_AND_CLAIM, {"prev": prev}).fetchone()
+                if row is None:
+                    prev = None
+                    break
+                procs.stamp(int(row[1].get("n", -1)))
+                prev = row[0]
+            for _ in conn.notifies(timeout=1.0, stop_after=1):
+                pass
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "listen":
+        raise SystemExit(listen_main(sys.argv[2]))
+    raise SystemExit("usage: python -m bench.floors listen DSN")

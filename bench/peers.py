@@ -1,0 +1,185 @@
+"""The peers: procrastinate and pgqueuer, each with its own schema in its own database, driven
+through their public APIs only.
+
+procrastinate: App + PsycopgConnector; one async task ``noop(n)``; the worker is
+  ``app.run_worker_async(concurrency=1, listen_notify=True)``, stopped by SIGTERM (its own handler).
+  Jobs are deferred with ``batch_defer_async`` (bulk) or ``defer_async`` (one).
+pgqueuer: QueueManager over one asyncpg connection; entrypoint ``noop`` with concurrency_limit=1,
+  ``run(batch_size=1)``; SIGTERM sets its shutdown event. Jobs go in with ``Queries.enqueue``
+  (a list of N in one statement, or one).
+
+Each worker runs as ``python -m bench.peers {procrastinate|pgqueuer} DSN``; its task stamps the start
+of job n when BENCH_STAMPS is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
+from datetime import timedelta
+from typing import Any
+
+import asyncpg
+import procrastinate
+import psycopg
+from pgqueuer import Job, QueueManager
+from pgqueuer.queries import Queries
+from psycopg.conninfo import conninfo_to_dict
+
+from .procs import stamp
+from .real import Put, RealSystem
+
+ENTRYPOINT = "noop"
+
+
+async def _asyncpg(dsn: str) -> asyncpg.Connection:
+    """asyncpg takes URLs or keywords, not libpq key=value strings."""
+    params = conninfo_to_dict(dsn)
+    return await asyncpg.connect(host=params.get("host"), port=int(params.get("port") or 5432),
+                                 user=params.get("user"), password=params.get("password"),
+                                 database=params.get("dbname"))
+
+
+# ----- procrastinate ---------------------------------------------------------------------------
+
+def procrastinate_app(dsn: str) -> procrastinate.App:
+    app = procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=dsn))
+
+    @app.task(name=ENTRYPOINT)
+    async def noop(n: int = -1) -> None:
+        stamp(n)
+
+    return app
+
+
+async def _procrastinate_worker(dsn: str) -> None:
+    app = procrastinate_app(dsn)
+    async with app.open_async():
+        await app.run_worker_async(concurrency=1, wait=True, listen_notify=True, install_signal_handlers=True,
+                                   fetch_job_polling_interval=5.0, delete_jobs="never")
+
+
+class Procrastinate(RealSystem):
+    name = "procrastinate"
+    db = "procrastinate"
+    remaining_sql = "SELECT count(*) FROM procrastinate_jobs WHERE status IN ('todo', 'doing')"
+    finished_sql = ("SELECT extract(epoch FROM max(at))::float8 FROM procrastinate_events"
+                    " WHERE type IN ('succeeded', 'failed')")
+
+    def setup(self, dsn: str) -> None:
+        async def apply() -> None:
+            app = procrastinate_app(dsn)
+            async with app.open_async():
+                await app.schema_manager.apply_schema_async()
+
+        asyncio.run(apply())
+
+    def reset(self, conn: psycopg.Connection[Any]) -> None:
+        conn.execute("TRUNCATE procrastinate_events, procrastinate_periodic_defers, procrastinate_jobs,"
+                     " procrastinate_workers")
+
+    def worker(self, dsn: str, handler: str) -> tuple[list[str], dict[str, str]]:
+        return ["-m", "bench.peers", "procrastinate", dsn], {}
+
+    def bulk_enqueue(self, dsn: str, n: int) -> None:
+        async def defer() -> None:
+            app = procrastinate_app(dsn)
+            async with app.open_async():
+                await app.tasks[ENTRYPOINT].batch_defer_async(*({"n": i} for i in range(n)))
+
+        asyncio.run(defer())
+
+    def producer(self, dsn: str) -> AbstractAsyncContextManager[Put]:
+        @contextlib.asynccontextmanager
+        async def context() -> AsyncIterator[Put]:
+            app = procrastinate_app(dsn)
+            async with app.open_async():
+                task = app.tasks[ENTRYPOINT]
+
+                async def put(n: int) -> None:
+                    await task.defer_async(n=n)
+
+                yield put
+
+        return context()
+
+
+# ----- pgqueuer --------------------------------------------------------------------------------
+
+async def _pgqueuer_worker(dsn: str) -> None:
+    conn = await _asyncpg(dsn)
+    qm = QueueManager(Queries.from_asyncpg_connection(conn))
+
+    @qm.entrypoint(ENTRYPOINT, concurrency_limit=1)
+    async def noop(job: Job) -> None:
+        stamp(int(json.loads(job.payload or b"{}").get("n", -1)))
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, qm.shutdown.set)
+    try:
+        await qm.run(batch_size=1, dequeue_timeout=timedelta(seconds=5))
+    finally:
+        await conn.close()
+
+
+class Pgqueuer(RealSystem):
+    name = "pgqueuer"
+    db = "pgqueuer"
+    remaining_sql = "SELECT count(*) FROM pgqueuer"
+    finished_sql = "SELECT extract(epoch FROM max(created))::float8 FROM pgqueuer_log WHERE status <> 'queued'"
+
+    def setup(self, dsn: str) -> None:
+        async def install() -> None:
+            conn = await _asyncpg(dsn)
+            try:
+                await Queries.from_asyncpg_connection(conn).install()
+            finally:
+                await conn.close()
+
+        asyncio.run(install())
+
+    def reset(self, conn: psycopg.Connection[Any]) -> None:
+        conn.execute("TRUNCATE pgqueuer, pgqueuer_log, pgqueuer_statistics")
+
+    def worker(self, dsn: str, handler: str) -> tuple[list[str], dict[str, str]]:
+        return ["-m", "bench.peers", "pgqueuer", dsn], {}
+
+    def bulk_enqueue(self, dsn: str, n: int) -> None:
+        async def enqueue() -> None:
+            conn = await _asyncpg(dsn)
+            try:
+                payloads: list[bytes | None] = [json.dumps({"n": i}).encode() for i in range(n)]
+                await Queries.from_asyncpg_connection(conn).enqueue([ENTRYPOINT] * n, payloads, [0] * n)
+            finally:
+                await conn.close()
+
+        asyncio.run(enqueue())
+
+    def producer(self, dsn: str) -> AbstractAsyncContextManager[Put]:
+        @contextlib.asynccontextmanager
+        async def context() -> AsyncIterator[Put]:
+            conn = await _asyncpg(dsn)
+            try:
+                queries = Queries.from_asyncpg_connection(conn)
+
+                async def put(n: int) -> None:
+                    await queries.enqueue(ENTRYPOINT, json.dumps({"n": n}).encode())
+
+                yield put
+            finally:
+                await conn.close()
+
+        return context()
+
+
+if __name__ == "__main__":
+    WORKERS = {"procrastinate": _procrastinate_worker, "pgqueuer": _pgqueuer_worker}
+    if len(sys.argv) != 3 or sys.argv[1] not in WORKERS:
+        raise SystemExit("usage: python -m bench.peers {procrastinate|pgqueuer} DSN")
+    asyncio.run(WORKERS[sys.argv[1]](sys.argv[2]))
