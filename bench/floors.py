@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -26,7 +26,8 @@ from psycopg.rows import dict_row
 
 from . import procs
 from .pglane_runs import FLOOR_LANE, load_queued, truncate
-from .real import Put, RealSystem
+from .real import Put, RealSystem, measure_cost, per_job
+from .server import BenchServer
 
 SCHEMA = """
 CREATE TABLE floor_jobs (
@@ -130,6 +131,35 @@ def _lane_id(conn: psycopg.Connection[Any]) -> int:
     row = conn.execute("SELECT id FROM pglane.lanes WHERE name = %s", (FLOOR_LANE,)).fetchone()
     assert row is not None
     return int(row["id"])
+
+
+Loop = Callable[[str, int], float]
+LOOPS: dict[str, tuple[Loop, Callable[[str, int], None], str]] = {  # name: (loop, preload, database)
+    "floor_two_commits": (two_commits, preload, "floor"),
+    "floor_one_commit": (one_commit, preload, "floor"),
+    "floor_contract": (contract, contract_preload, "pglane"),
+}
+
+
+def throughput(server: BenchServer, name: str, n: int) -> float:
+    loop, load, db = LOOPS[name]
+    load(server.dsn(db), n)
+    return n / loop(server.dsn(db), n)
+
+
+def cost(server: BenchServer, name: str, n: int) -> dict[str, Any]:
+    """Cost per job of one floor loop: a drain of n jobs minus a drain of none (see bench.real)."""
+    loop, load, db = LOOPS[name]
+    dsn = server.dsn(db)
+
+    def run(count: int) -> Callable[[], int]:
+        return lambda: (loop(dsn, count), 0)[1]
+
+    load(dsn, 0)
+    empty = measure_cost(server, f"bench_{db}", run(0))
+    load(dsn, n)
+    loaded = measure_cost(server, f"bench_{db}", run(n))
+    return per_job(loaded, empty, n, server.statements)
 
 
 class FloorListen(RealSystem):

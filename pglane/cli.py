@@ -47,6 +47,13 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _duration(text: str) -> float:
+    try:
+        return timing.parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _payload(text: str) -> Any:
     try:
         return json.loads(text)
@@ -87,6 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--name", help="worker name recorded on attempts (default: host:pid)")
     w.add_argument("--recover-interval", type=_seconds, default=30.0,
                    help="how often the slot holder recovers attempts whose worker is gone (default 30)")
+    w.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
 
     st = sub.add_parser("status", help="one row per lane, with the next safe action")
     st.add_argument("--json", action="store_true")
@@ -111,6 +119,12 @@ def _parser() -> argparse.ArgumentParser:
     rc.add_argument("lane", nargs="?")
     rc.add_argument("--terminate-stuck", action="store_true",
                     help="also end the sessions of attempts past their lease, then recover them")
+
+    pr = sub.add_parser("prune", help="delete finished jobs (and their attempts) older than a duration")
+    pr.add_argument("--older-than", required=True, type=_duration, help="e.g. 7d, 12h, 90m")
+    pr.add_argument("--lane")
+    pr.add_argument("--include-failed", action="store_true",
+                    help="also delete failed jobs, whose attempts explain what may have been paid")
 
     ck = sub.add_parser("check", help="check that the four timeouts agree for every lane")
     ck.add_argument("--stop-grace", type=_seconds)
@@ -167,7 +181,7 @@ def _worker(dsn: str, args: argparse.Namespace) -> int:
                         format="%(asctime)s %(name)s[%(process)d] %(message)s")
     options = WorkerOptions(poll_interval=args.poll_interval, max_jobs=args.max_jobs,
                             max_lifetime=args.max_lifetime, timeout=args.timeout, name=args.name,
-                            recover_interval=args.recover_interval)
+                            recover_interval=args.recover_interval, metrics_port=args.metrics_port)
     with client.connect(dsn) as conn:
         schema.require_current(conn)
     return Worker(dsn, args.lane, handler.load(args.handler), options).run()
@@ -208,6 +222,8 @@ def _command(conn: Any, args: argparse.Namespace) -> int:
     elif cmd in ("retry", "cancel"):
         done = client.retry(conn, args.job) if cmd == "retry" else client.cancel(conn, args.job)
         print(_json({"job_id": args.job, cmd: done}) if args.json else f"job {args.job}: {cmd} done")
+    elif cmd == "prune":
+        print(client.prune(conn, args.older_than, lane=args.lane, include_failed=args.include_failed))
     elif cmd == "recover":
         return _recover(conn, args)
     elif cmd == "check":

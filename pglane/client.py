@@ -174,6 +174,12 @@ def recover(conn: psycopg.Connection[Row], lane: str | None = None) -> int:
     return int(_one(conn, queries.RECOVER, (lane,))["recover"])
 
 
+def prune(conn: psycopg.Connection[Row], older_than: float, *, lane: str | None = None,
+          include_failed: bool = False) -> int:
+    """Delete finished jobs older than ``older_than`` seconds (failed ones only if asked); returns how many."""
+    return int(_one(conn, queries.PRUNE, (older_than, lane, include_failed))["prune"])
+
+
 def stuck_attempts(conn: psycopg.Connection[Row], lane: str | None = None) -> list[Row]:
     with translated():
         return conn.execute(queries.STUCK, (lane,)).fetchall()

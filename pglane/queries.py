@@ -14,6 +14,7 @@ RECOVER: LiteralString = "SELECT pglane.recover(%s)"
 RETRY: LiteralString = "SELECT pglane.retry(%s)"
 CANCEL: LiteralString = "SELECT pglane.cancel(%s)"
 STUCK: LiteralString = "SELECT * FROM pglane.stuck_attempts(%s) ORDER BY attempt_id"
+PRUNE: LiteralString = "SELECT pglane.prune(make_interval(secs => %s), %s, %s)"
 TERMINATE: LiteralString = "SELECT pg_terminate_backend(%s)"
 
 LANE: LiteralString = (

@@ -36,6 +36,7 @@ from . import queries, timing
 from .errors import ConfigurationError, DatabaseUnavailable, UnknownLane
 from .handler import Handler, Outcome, Runner
 from .job import Job
+from .metrics import Metrics
 from .slot import LockSession
 
 log = logging.getLogger("pglane.worker")
@@ -54,6 +55,7 @@ class WorkerOptions:
     timeout: float | None = None  # the hard timeout; default: timing.default_worker_timeout
     recover_interval: float = 30.0
     name: str | None = None
+    metrics_port: int | None = None  # serve Prometheus metrics on 127.0.0.1:PORT
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,7 @@ class Worker:
         self._started = 0.0
         self._next_recover = 0.0
         self._watchdog = Watchdog(dsn)
+        self._metrics: Metrics | None = None
 
     # ----- life cycle -----------------------------------------------------------------------
 
@@ -153,6 +156,10 @@ class Worker:
         if broken := rules.violations():
             raise ConfigurationError(f"lane {lane.name}: " + "; ".join(broken))
         self._watchdog.start()
+        refresher = None
+        if self.options.metrics_port is not None:
+            self._metrics = Metrics(lane.name, self.options.metrics_port)
+            refresher = asyncio.ensure_future(self._metrics.refresh_forever(self.dsn))
         log.info("worker %s for lane %s (%s slot(s), job timeout %gs, hard timeout %gs, lease %gs)",
                  self.name, lane.name, lane.slots, lane.job_timeout, self._hard_timeout, lane.lease_timeout)
         try:
@@ -165,6 +172,11 @@ class Worker:
                     break  # asked to stop while the database was unreachable
         finally:
             self.runner.shutdown()
+            if refresher is not None:
+                refresher.cancel()
+                await asyncio.gather(refresher, return_exceptions=True)
+            if self._metrics is not None:
+                self._metrics.close()
         log.info("worker %s stopped after %s job(s)", self.name, self.jobs_run)
         return EXIT_OK
 
@@ -218,10 +230,14 @@ class Worker:
                 if not await session.wait_take(self._stopping):
                     return
             log.info("holding slot %s of lane %s", session.slot, lane.name)
+            if self._metrics is not None:
+                self._metrics.slot_held.set(1)
             await session.listen()
             await self._recover(session)
             await self._drain(session, lane)
         finally:
+            if self._metrics is not None:
+                self._metrics.slot_held.set(0)
             await session.release()
 
     async def _recover(self, session: LockSession) -> None:
@@ -277,16 +293,21 @@ class Worker:
     # ----- claim, call, write ---------------------------------------------------------------
 
     async def _claim(self, session: LockSession) -> Job | None:
+        started = time.perf_counter()
         try:
             cur = await session.conn.execute(queries.CLAIM, (self.lane_name, self.name))
         except psycopg.Error as exc:
             if exc.sqlstate == "PGL06":
                 raise SlotLost(_first_line(exc)) from None
             raise
-        return _job(await cur.fetchone())
+        row = await cur.fetchone()
+        if self._metrics is not None:
+            self._metrics.claim_latency.observe(time.perf_counter() - started)
+        return _job(row)
 
     async def _call(self, session: LockSession, job: Job, lane: Lane) -> Outcome:
-        self._watchdog.arm(job.attempt_id, time.monotonic() + self._hard_timeout)
+        started = time.monotonic()
+        self._watchdog.arm(job.attempt_id, started + self._hard_timeout)
         try:
             task = asyncio.ensure_future(handlers.run(self.runner, job, lane.job_timeout, self._hard_timeout))
             done, _ = await asyncio.wait((task,), timeout=QUICK_CALL)
@@ -310,6 +331,8 @@ class Worker:
         if outcome is None:
             await self._write(session, job, _hung(self._hard_timeout))
             self._recycle_hung(job)
+        if self._metrics is not None:
+            self._metrics.attempt(time.monotonic() - started, outcome.error is None)
         if outcome.error is not None:
             log.info("attempt %s of job %s %s: %s", job.attempt_id, job.id,
                      "timed out" if outcome.timed_out else "failed", _first_line(RuntimeError(outcome.error)))
@@ -344,6 +367,7 @@ class Worker:
             await self._write(session, job, outcome)
             return await self._claim(session)
         self._pending = (job, outcome)
+        started = time.perf_counter()
         try:
             cur = await session.conn.execute(
                 queries.COMPLETE_AND_CLAIM, (job.attempt_id, outcome.result_json, self.lane_name, self.name))
@@ -356,6 +380,8 @@ class Worker:
             raise
         self._pending = None
         row = await cur.fetchone()
+        if self._metrics is not None:
+            self._metrics.claim_latency.observe(time.perf_counter() - started)
         assert row is not None
         self._log_refused(job, bool(row["completed"]))
         return _job(row)

@@ -1,0 +1,89 @@
+"""Prometheus metrics of one worker process (optional: ``pip install 'pglane[metrics]'``).
+
+Owns the worker's metric objects and the HTTP endpoint that serves them. Counters count what this
+process did; the queue gauges are read from the database (the queue index, so the cost does not grow
+with history) every ``refresh`` seconds on a connection of their own, never the slot session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any, LiteralString
+
+import psycopg
+
+from .errors import ConfigurationError
+
+log = logging.getLogger("pglane.worker")
+
+QUEUE: LiteralString = (
+    "SELECT count(*) AS queued, coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest,"
+    " (SELECT count(*) FROM pglane.jobs r WHERE r.lane = %(lane)s AND r.status = 'running') AS running"
+    " FROM pglane.jobs WHERE lane = %(lane)s AND status = 'queued'"
+)
+
+
+class Metrics:
+    def __init__(self, lane: str, port: int, *, addr: str = "127.0.0.1") -> None:
+        try:
+            import prometheus_client as prom
+        except ImportError:
+            raise ConfigurationError(
+                "--metrics-port needs prometheus-client: pip install 'pglane[metrics]'") from None
+        self.lane = lane
+        self.registry = prom.CollectorRegistry()
+        labels = ["lane"]
+
+        def gauge(name: str, text: str) -> Any:
+            return prom.Gauge(name, text, labels, registry=self.registry).labels(lane)
+
+        self.slot_held = gauge("pglane_slot_held", "1 while this worker holds a slot of the lane, 0 as a standby")
+        self.queue_depth = gauge("pglane_queue_depth", "queued jobs of the lane (eligible or not)")
+        self.oldest_queued = gauge("pglane_oldest_queued_age_seconds", "age of the lane's oldest queued job")
+        self.running = gauge("pglane_running_jobs", "running jobs of the lane, all workers")
+        self.done = prom.Counter("pglane_jobs_done", "jobs this worker completed", labels,
+                                 registry=self.registry).labels(lane)
+        self.failed = prom.Counter("pglane_jobs_failed", "attempts this worker failed or timed out", labels,
+                                   registry=self.registry).labels(lane)
+        self.duration = prom.Histogram(
+            "pglane_attempt_duration_seconds", "handler time per attempt", labels, registry=self.registry,
+            buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600, 1800)).labels(lane)
+        self.claim_latency = prom.Histogram(
+            "pglane_claim_latency_seconds", "round trip of a claim (alone or fused with a completion)", labels,
+            registry=self.registry,
+            buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5)).labels(lane)
+        self.server, self.thread = prom.start_http_server(port, addr=addr, registry=self.registry)
+        log.info("metrics on http://%s:%s/metrics", addr, port)
+
+    def attempt(self, seconds: float, ok: bool) -> None:
+        self.duration.observe(seconds)
+        (self.done if ok else self.failed).inc()
+
+    async def refresh_forever(self, dsn: str, every: float = 5.0) -> None:
+        """Read the lane's queue gauges until cancelled; database errors only delay the next reading."""
+        conn: psycopg.AsyncConnection[Any] | None = None
+        try:
+            while True:
+                try:
+                    if conn is None or conn.closed:
+                        conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+                    cur = await conn.execute(QUEUE, {"lane": self.lane})
+                    row = await cur.fetchone()
+                    if row is not None:
+                        self.queue_depth.set(row[0])
+                        self.oldest_queued.set(row[1])
+                        self.running.set(row[2])
+                except psycopg.Error:
+                    if conn is not None:
+                        await conn.close()
+                    conn = None
+                await asyncio.sleep(every)
+        finally:
+            if conn is not None:
+                with contextlib.suppress(psycopg.Error):
+                    await conn.close()
+
+    def close(self) -> None:
+        self.server.shutdown()

@@ -1,0 +1,293 @@
+"""The operator's surface: one query tells the state and the next safe action of every lane and job,
+from the database clock; bounded lanes; retry and cancel only where allowed; pruning; metrics."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import urllib.request
+from typing import Any
+
+import pytest
+
+import pglane
+from tests.conftest import Workers, wait_until
+
+
+def action(conn: Any, job: int) -> str:
+    return str(pglane.job_status(conn, job)["next_safe_action"])
+
+
+def lane_row(conn: Any, lane: str) -> dict[str, Any]:
+    return next(r for r in pglane.lane_status(conn) if r["lane"] == lane)
+
+
+def hold_slot(session: Any, lane: str, slot: int = 1) -> Any:
+    s = session()
+    s.execute("SELECT pg_advisory_lock(id, %s) FROM pglane.lanes WHERE name = %s", (slot, lane))
+    return s
+
+
+def claim(s: Any, lane: str) -> dict[str, Any]:
+    row: dict[str, Any] = s.execute("SELECT * FROM pglane.claim(%s, 'w')", (lane,)).fetchone()
+    return row
+
+
+def age(conn: Any, job: int, seconds: float) -> None:
+    """Make a job look queued ``seconds`` ago (explicit timestamps instead of sleeping)."""
+    conn.execute("UPDATE pglane.jobs SET created_at = now() - make_interval(secs => %s),"
+                 " run_after = now() - make_interval(secs => %s) WHERE id = %s", (seconds, seconds, job))
+
+
+def test_waiting_for_worker_honours_the_grace_on_both_sides_of_the_boundary(session: Any, lane: str) -> None:
+    s = session(autocommit=False)
+    job = pglane.enqueue(s, lane, {})
+    s.commit()
+    # One transaction: now() is the same instant for the update and the view.
+    s.execute("UPDATE pglane.jobs SET created_at = now() - interval '5 seconds',"
+              " run_after = now() - interval '5 seconds' WHERE id = %s", (job,))
+    at_boundary = pglane.job_status(s, job)["waiting_for_worker"]
+    s.execute("UPDATE pglane.jobs SET created_at = now() - interval '5.000001 seconds',"
+              " run_after = now() - interval '5.000001 seconds' WHERE id = %s", (job,))
+    past_boundary = pglane.job_status(s, job)["waiting_for_worker"]
+    s.rollback()
+    assert (at_boundary, past_boundary) == (False, True)
+
+
+def test_waiting_counts_from_eligibility_not_from_creation(conn: Any, lane: str) -> None:
+    job = pglane.enqueue(conn, lane, {})
+    conn.execute("UPDATE pglane.jobs SET created_at = now() - interval '1 hour', run_after = now() - interval '1 s'"
+                 " WHERE id = %s", (job,))
+    assert pglane.job_status(conn, job)["waiting_for_worker"] is False
+    conn.execute("UPDATE pglane.lanes SET waiting_grace = interval '0'")
+    assert pglane.job_status(conn, job)["waiting_for_worker"] is True
+
+
+def test_every_job_state_has_its_next_safe_action(session: Any, conn: Any, lane: str) -> None:
+    fresh = pglane.enqueue(conn, lane, {})
+    assert action(conn, fresh) == "nothing to do: just queued"
+    age(conn, fresh, 60)
+    assert action(conn, fresh).startswith("start a worker for lane brain")
+    later = conn.execute("SELECT pglane.enqueue('brain', '{}', NULL, now() + interval '1 hour') AS id").fetchone()["id"]
+    assert action(conn, later).startswith("nothing to do: scheduled to run after")
+
+    holder = hold_slot(session, lane)
+    running = claim(holder, lane)
+    assert running["job_id"] == fresh
+    assert action(conn, fresh) == "nothing to do: running"
+    waiting = pglane.enqueue(conn, lane, {})
+    age(conn, waiting, 60)
+    assert action(conn, waiting).startswith("wait: every slot of lane brain is busy")
+
+    conn.execute("UPDATE pglane.attempts SET lease_expires_at = now() - interval '1 s' WHERE id = %s",
+                 (running["attempt_id"],))
+    assert action(conn, fresh).startswith(f"inspect stuck attempt {running['attempt_id']}: past its lease")
+    assert "--terminate-stuck" in action(conn, fresh)
+
+    holder.close()  # the worker's session ends in the middle of the call
+    assert action(conn, fresh) == f"run: pglane recover brain (the worker of attempt {running['attempt_id']} is gone)"
+    pglane.recover(conn, lane)
+    assert action(conn, fresh) == (f"inspect attempt {running['attempt_id']}: worker lost during the call; "
+                                   f"retry only if you accept paying again: pglane retry {fresh}")
+
+    holder = hold_slot(session, lane)
+    timed = claim(holder, lane)
+    holder.execute("SELECT pglane.fail(%s, 'timed out', true)", (timed["attempt_id"],))
+    assert "ran past the lane's job_timeout" in action(conn, timed["job_id"])
+    pglane.enqueue(conn, lane, {})
+    failing = claim(holder, lane)
+    assert failing is not None
+    pglane.cancel(conn, later)
+    assert action(conn, later) == f"nothing to do: cancelled (pglane retry {later} runs it after all)"
+    holder.execute("SELECT pglane.fail(%s, 'boom')", (failing["attempt_id"],))
+    assert action(conn, failing["job_id"]).startswith(f"inspect attempt {failing['attempt_id']}: the handler failed")
+    done = pglane.enqueue(conn, lane, {})
+    finished = claim(holder, lane)
+    assert finished["job_id"] == done
+    holder.execute("SELECT pglane.complete(%s, '{}')", (finished["attempt_id"],))
+    assert action(conn, done) == "nothing to do: done, result stored"
+
+
+def test_every_lane_state_has_its_next_safe_action(session: Any, conn: Any, lane: str) -> None:
+    assert lane_row(conn, lane)["next_safe_action"].startswith("nothing queued; start a worker for lane brain")
+    job = pglane.enqueue(conn, lane, {})
+    assert lane_row(conn, lane)["next_safe_action"].startswith("start a worker for lane brain")
+    holder = hold_slot(session, lane)
+    row = lane_row(conn, lane)
+    assert (row["consumers"], row["next_safe_action"]) == (1, "nothing to do")
+    attempt = claim(holder, lane)["attempt_id"]
+    conn.execute("UPDATE pglane.attempts SET lease_expires_at = now() - interval '1 s' WHERE id = %s", (attempt,))
+    assert lane_row(conn, lane)["next_safe_action"].startswith("inspect 1 stuck attempt(s)")
+    holder.close()
+    assert lane_row(conn, lane)["next_safe_action"].startswith("run: pglane recover brain (1 running attempt(s)")
+    pglane.recover(conn, lane)
+    assert pglane.job_status(conn, job)["status"] == "failed"
+    holder = hold_slot(session, lane)
+    backlog = [pglane.enqueue(conn, lane, {}) for _ in range(3)]
+    for j in backlog:
+        age(conn, j, 60)
+    # arrived within the last 5 minutes, waited a minute with every slot busy, and nothing finishing
+    assert lane_row(conn, lane)["next_safe_action"].startswith("backlog of lane brain is growing")
+
+
+def test_queue_positions_count_from_one_in_service_order_under_concurrent_producers(
+    dsn: str, conn: Any, lane: str
+) -> None:
+    def produce() -> None:
+        with pglane.connect(dsn) as c:
+            for _ in range(25):
+                pglane.enqueue(c, lane, {})
+
+    threads = [threading.Thread(target=produce) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rows = conn.execute("SELECT job_id, queue_position FROM pglane.job_status ORDER BY queue_position").fetchall()
+    assert [r["queue_position"] for r in rows] == list(range(1, 101))
+    service = [r["id"] for r in conn.execute(
+        "SELECT id FROM pglane.jobs WHERE status = 'queued' ORDER BY created_at, id")]
+    assert [r["job_id"] for r in rows] == service
+    conn.execute("SELECT pg_advisory_lock(id, 1) FROM pglane.lanes")
+    first = claim(conn, lane)
+    assert first["job_id"] == service[0]
+    assert pglane.job_status(conn, service[1])["queue_position"] == 1
+
+
+def test_a_bounded_lane_never_holds_more_than_max_queued_under_concurrent_producers(
+    dsn: str, conn: Any
+) -> None:
+    pglane.create_lane(conn, "bounded", job_timeout=10, max_queued=50)
+    accepted, refused = [], []
+    lock = threading.Lock()
+
+    def produce(n: int) -> None:
+        with pglane.connect(dsn) as c:
+            for i in range(20):
+                try:
+                    if i % 2:
+                        pglane.enqueue(c, "bounded", {"n": n, "i": i})
+                    else:
+                        c.execute("INSERT INTO pglane.jobs (lane, payload) VALUES ('bounded', '{}')")
+                    with lock:
+                        accepted.append(1)
+                except pglane.LaneFull:
+                    with lock:
+                        refused.append(1)
+                except Exception as exc:  # a plain INSERT's refusal arrives untranslated
+                    mapped = pglane.errors.translate(exc) if hasattr(exc, "diag") else None
+                    assert isinstance(mapped, pglane.LaneFull), exc
+                    with lock:
+                        refused.append(1)
+
+    threads = [threading.Thread(target=produce, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    queued = conn.execute("SELECT count(*) AS n FROM pglane.jobs WHERE status = 'queued'").fetchone()["n"]
+    assert (len(accepted), len(refused), queued) == (50, 110, 50)
+    row = lane_row(conn, "bounded")
+    assert (row["queued"], row["max_queued"]) == (50, 50)
+
+
+def test_a_lane_made_bounded_later_counts_the_jobs_it_already_has(conn: Any, lane: str) -> None:
+    for _ in range(3):
+        pglane.enqueue(conn, lane, {})
+    conn.execute("UPDATE pglane.lanes SET max_queued = 4 WHERE name = 'brain'")
+    pglane.enqueue(conn, lane, {})
+    with pytest.raises(pglane.LaneFull):
+        pglane.enqueue(conn, lane, {})
+
+
+@pytest.mark.parametrize(
+    ("status", "retry_ok", "cancel_ok"),
+    [("queued", False, True), ("running", False, False), ("done", False, False),
+     ("failed", True, False), ("cancelled", True, False)],
+)
+def test_retry_and_cancel_only_where_they_are_allowed(
+    session: Any, conn: Any, lane: str, status: str, retry_ok: bool, cancel_ok: bool
+) -> None:
+    job = pglane.enqueue(conn, lane, {})
+    if status != "queued":
+        holder = hold_slot(session, lane)
+        attempt = claim(holder, lane)["attempt_id"]
+        if status == "done":
+            holder.execute("SELECT pglane.complete(%s, '{}')", (attempt,))
+        elif status == "failed":
+            holder.execute("SELECT pglane.fail(%s, 'boom')", (attempt,))
+        elif status == "cancelled":
+            holder.execute("SELECT pglane.fail(%s, 'boom')", (attempt,))
+            pglane.retry(conn, job)
+            pglane.cancel(conn, job)
+    assert pglane.job_status(conn, job)["status"] == status
+    for op, allowed in ((pglane.retry, retry_ok), (pglane.cancel, cancel_ok)):
+        before = pglane.job_status(conn, job)["status"]
+        if allowed:
+            assert op(conn, job) is True
+            conn.execute("UPDATE pglane.jobs SET status = %s WHERE id = %s", (before, job))  # restore
+        else:
+            with pytest.raises(pglane.InvalidTransition, match=f"job {job} is {before}; only"):
+                op(conn, job)
+            assert pglane.job_status(conn, job)["status"] == before
+
+
+def test_retrying_a_done_job_says_why_not(session: Any, conn: Any, lane: str) -> None:
+    job = pglane.enqueue(conn, lane, {})
+    holder = hold_slot(session, lane)
+    holder.execute("SELECT pglane.complete(%s, '{}')", (claim(holder, lane)["attempt_id"],))
+    with pytest.raises(pglane.InvalidTransition, match="its result is stored; enqueue a new job with a new key"):
+        pglane.retry(conn, job)
+
+
+def test_prune_removes_old_finished_jobs_but_keeps_failures_unless_asked(session: Any, conn: Any, lane: str) -> None:
+    holder = hold_slot(session, lane)
+    done, failed, cancelled, recent = (pglane.enqueue(conn, lane, {}, key=k) for k in "abcd")
+    holder.execute("SELECT pglane.complete(%s, '{}')", (claim(holder, lane)["attempt_id"],))
+    holder.execute("SELECT pglane.fail(%s, 'boom')", (claim(holder, lane)["attempt_id"],))
+    pglane.cancel(conn, cancelled)
+    holder.execute("SELECT pglane.complete(%s, '{}')", (claim(holder, lane)["attempt_id"],))
+    conn.execute("UPDATE pglane.jobs SET finished_at = now() - interval '8 days' WHERE id <> %s", (recent,))
+    assert pglane.prune(conn, 7 * 86400) == 2
+    left = {r["id"] for r in conn.execute("SELECT id FROM pglane.jobs")}
+    assert left == {failed, recent}
+    assert conn.execute("SELECT count(*) AS n FROM pglane.attempts WHERE job_id = %s", (failed,)).fetchone()["n"] == 1
+    assert pglane.prune(conn, 7 * 86400, include_failed=True) == 1
+    assert pglane.enqueue(conn, lane, {}, key="a") not in (done, failed)  # a pruned key is forgotten
+
+
+def test_the_metrics_endpoint_is_scraped_over_http(conn: Any, lane: str, workers: Workers) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for _ in range(3):
+        pglane.enqueue(conn, lane, {"sleep": 0.01})
+    pglane.enqueue(conn, lane, {"fail": "boom"})
+    workers.start(lane, "tests.handlers:paid_call", "--metrics-port", str(port))
+
+    def scrape() -> dict[str, float]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+                text = response.read().decode()
+        except OSError:
+            return {}
+        values = {}
+        for line in text.splitlines():
+            if line.startswith("pglane_") and 'lane="brain"' in line:
+                name, _, value = line.rpartition(" ")
+                values[name.split("{")[0] + ("" if "le=" not in name else name[name.index("le="):])] = float(value)
+        return values
+
+    metrics = wait_until(lambda: (m := scrape()) and m.get("pglane_jobs_done_total") == 3 and m, 20, "metrics")
+    assert metrics["pglane_slot_held"] == 1
+    assert metrics["pglane_jobs_failed_total"] == 1
+    assert metrics["pglane_attempt_duration_seconds_count"] == 4
+    assert metrics["pglane_claim_latency_seconds_count"] >= 4
+    assert "pglane_queue_depth" in metrics and "pglane_oldest_queued_age_seconds" in metrics
+    assert "pglane_running_jobs" in metrics
+
+
+def test_status_json_is_valid_for_scripts(conn: Any, lane: str) -> None:
+    rows = pglane.lane_status(conn)
+    assert json.loads(json.dumps(rows, default=str))[0]["lane"] == "brain"
