@@ -114,6 +114,11 @@ def translate(exc: psycopg.Error) -> PglaneError | None:
     """Map a database error to a PglaneError by SQLSTATE or constraint name; None if it is not ours."""
     diag = exc.diag
     code = diag.sqlstate or ""
+    if isinstance(exc, psycopg.DataError) and not code:  # refused by the driver before sending
+        return InvalidInput(f"{exc}; remove NUL characters from lane names, keys and payloads")
+    if code in ("22P05", "22P02"):  # untranslatable character / invalid text representation
+        return InvalidInput(f"{diag.message_primary or exc}: PostgreSQL cannot store this value as given"
+                            " (e.g. a \\u0000 in JSON); fix the value and send it again")
     if code in SQLSTATES:
         message = diag.message_primary or str(exc)
         if diag.message_hint:

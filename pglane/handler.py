@@ -46,11 +46,16 @@ def load(spec: str) -> Handler:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What became of one call: ``result_json`` when it succeeded, else ``error`` (and ``timed_out``)."""
+    """What became of one call: ``result_json`` when it succeeded, else ``error`` (and ``timed_out``).
+    ``error`` never holds a NUL character, which PostgreSQL text cannot store."""
 
     result_json: str | None = None
     error: str | None = None
     timed_out: bool = False
+
+    def __post_init__(self) -> None:
+        if self.error is not None and "\x00" in self.error:
+            object.__setattr__(self, "error", self.error.replace("\x00", "\\x00"))
 
 
 def _describe(exc: BaseException) -> str:

@@ -32,7 +32,9 @@ END $$;
 CREATE OR REPLACE FUNCTION pglane.claim(p_lane text, p_worker text)
 RETURNS TABLE (job_id bigint, attempt_id bigint, attempt_number integer, seq bigint, lane text,
                payload jsonb, idempotency_key text, lease_expires_at timestamptz)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
 #variable_conflict use_column
 DECLARE
     v_lane    pglane.lanes;
@@ -95,7 +97,9 @@ END $$;
 -- attempt already finished) returns false and changes nothing.
 CREATE OR REPLACE FUNCTION pglane.complete(p_attempt_id bigint, p_result jsonb DEFAULT NULL)
 RETURNS boolean
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
 DECLARE
     v_job pglane.jobs;
 BEGIN
@@ -132,7 +136,9 @@ END $$;
 -- retry_backoff (doubling per attempt, capped at one hour) while attempts remain, else it is failed.
 CREATE OR REPLACE FUNCTION pglane.fail(p_attempt_id bigint, p_error text, p_timed_out boolean DEFAULT false)
 RETURNS boolean
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
 DECLARE
     v_job  pglane.jobs;
     v_lane pglane.lanes;
@@ -173,7 +179,9 @@ END $$;
 CREATE OR REPLACE FUNCTION pglane.complete_and_claim(p_attempt_id bigint, p_result jsonb, p_lane text, p_worker text)
 RETURNS TABLE (completed boolean, job_id bigint, attempt_id bigint, attempt_number integer, seq bigint,
                lane text, payload jsonb, idempotency_key text, lease_expires_at timestamptz)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
 #variable_conflict use_column
 BEGIN
     completed := pglane.complete(p_attempt_id, p_result);

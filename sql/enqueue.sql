@@ -4,7 +4,9 @@
 -- jobs_before_insert: validate one new job. Runs before the unique check, so a refused row is never
 -- written, and a duplicate key with a bad payload is still refused for its payload.
 CREATE OR REPLACE FUNCTION pglane.jobs_before_insert() RETURNS trigger
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
 DECLARE
     v_max_bytes integer;
     v_size      integer;
@@ -52,7 +54,9 @@ CREATE TRIGGER jobs_before_insert BEFORE INSERT ON pglane.jobs
 -- The bound holds under concurrent producers because the counter update takes the counters row
 -- lock until commit; an excess raises and rolls the whole statement back, so nothing is written.
 CREATE OR REPLACE FUNCTION pglane.jobs_after_insert() RETURNS trigger
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
 DECLARE
     r       record;
     v_depth bigint;
@@ -90,7 +94,9 @@ CREATE OR REPLACE FUNCTION pglane.enqueue(
     p_idempotency_key text DEFAULT NULL,
     p_run_after timestamptz DEFAULT NULL
 ) RETURNS bigint
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
 DECLARE
     v_id       bigint;
     v_existing jsonb;

@@ -7,7 +7,9 @@
 CREATE OR REPLACE FUNCTION pglane.prune(p_older_than interval, p_lane text DEFAULT NULL,
                                         p_include_failed boolean DEFAULT false)
 RETURNS bigint
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
 DECLARE
     v_count bigint;
 BEGIN

@@ -3,7 +3,9 @@
 -- lanes_after_insert: every lane gets its counters row in the same transaction, so claim() and the
 -- bound check can rely on it existing.
 CREATE OR REPLACE FUNCTION pglane.lanes_after_insert() RETURNS trigger
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
 BEGIN
     INSERT INTO pglane.lane_counters (lane_id) VALUES (NEW.id);
     RETURN NULL;
@@ -17,7 +19,9 @@ CREATE TRIGGER lanes_after_insert AFTER INSERT ON pglane.lanes
 -- When max_queued goes from unset to set, the queued counter (maintained only for bounded lanes) is
 -- recounted under the counters row lock.
 CREATE OR REPLACE FUNCTION pglane.lanes_before_update() RETURNS trigger
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
 BEGIN
     IF NEW.name IS DISTINCT FROM OLD.name THEN
         RAISE EXCEPTION USING ERRCODE = 'PGL10',

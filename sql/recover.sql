@@ -37,7 +37,9 @@ SELECT a.id AS attempt_id, a.job_id, j.lane, l.id AS lane_id, a.attempt_number, 
 -- without a person's decision. Each job is re-checked under its row lock; one being completed right
 -- now is skipped (its completion decides).
 CREATE OR REPLACE FUNCTION pglane.recover(p_lane text DEFAULT NULL) RETURNS integer
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
 DECLARE
     r       record;
     v_count integer := 0;
@@ -80,7 +82,9 @@ END $$;
 -- handed to a second worker. The operator decides (pglane recover --terminate-stuck).
 CREATE OR REPLACE FUNCTION pglane.stuck_attempts(p_lane text DEFAULT NULL)
 RETURNS SETOF pglane.running_attempts
-LANGUAGE sql STABLE AS $$
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
     SELECT * FROM pglane.running_attempts ra
      WHERE (p_lane IS NULL OR ra.lane = p_lane) AND ra.alive AND ra.past_lease;
 $$;
@@ -88,7 +92,9 @@ $$;
 -- retry: a person's decision to spend again: a failed or cancelled job goes back to the queue for one
 -- more attempt. Refused (PGL08) for any other status, with the reason.
 CREATE OR REPLACE FUNCTION pglane.retry(p_job_id bigint) RETURNS boolean
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
 DECLARE
     v_job pglane.jobs;
 BEGIN
@@ -112,7 +118,9 @@ END $$;
 
 -- cancel: a queued job becomes cancelled. Refused (PGL08) for any other status, with the reason.
 CREATE OR REPLACE FUNCTION pglane.cancel(p_job_id bigint) RETURNS boolean
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
 DECLARE
     v_job pglane.jobs;
 BEGIN

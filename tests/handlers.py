@@ -69,3 +69,7 @@ def not_json(job: Job) -> Any:
 
 def noop(job: Job) -> Any:
     return None
+
+
+def echo(job: Job) -> Any:
+    return {"echo": job.payload}

@@ -85,8 +85,9 @@ def test_every_job_state_has_its_next_safe_action(session: Any, conn: Any, lane:
     assert action(conn, fresh).startswith(f"inspect stuck attempt {running['attempt_id']}: past its lease")
     assert "--terminate-stuck" in action(conn, fresh)
 
-    holder.close()  # the worker's session ends in the middle of the call
-    assert action(conn, fresh) == f"run: pglane recover brain (the worker of attempt {running['attempt_id']} is gone)"
+    holder.close()  # the worker's session ends in the middle of the call (the backend exits a moment later)
+    gone = f"run: pglane recover brain (the worker of attempt {running['attempt_id']} is gone)"
+    wait_until(lambda: action(conn, fresh) == gone, 10, "the session to be gone")
     pglane.recover(conn, lane)
     assert action(conn, fresh) == (f"inspect attempt {running['attempt_id']}: worker lost during the call; "
                                    f"retry only if you accept paying again: pglane retry {fresh}")
@@ -120,7 +121,8 @@ def test_every_lane_state_has_its_next_safe_action(session: Any, conn: Any, lane
     conn.execute("UPDATE pglane.attempts SET lease_expires_at = now() - interval '1 s' WHERE id = %s", (attempt,))
     assert lane_row(conn, lane)["next_safe_action"].startswith("inspect 1 stuck attempt(s)")
     holder.close()
-    assert lane_row(conn, lane)["next_safe_action"].startswith("run: pglane recover brain (1 running attempt(s)")
+    wait_until(lambda: lane_row(conn, lane)["next_safe_action"].startswith(
+        "run: pglane recover brain (1 running attempt(s)"), 10, "the session to be gone")
     pglane.recover(conn, lane)
     assert pglane.job_status(conn, job)["status"] == "failed"
     holder = hold_slot(session, lane)
@@ -279,7 +281,8 @@ def test_the_metrics_endpoint_is_scraped_over_http(conn: Any, lane: str, workers
                 values[name.split("{")[0] + ("" if "le=" not in name else name[name.index("le="):])] = float(value)
         return values
 
-    metrics = wait_until(lambda: (m := scrape()) and m.get("pglane_jobs_done_total") == 3 and m, 20, "metrics")
+    metrics = wait_until(lambda: (m := scrape()) and m.get("pglane_jobs_done_total") == 3
+                         and m.get("pglane_jobs_failed_total") == 1 and m, 20, "metrics")
     assert metrics["pglane_slot_held"] == 1
     assert metrics["pglane_jobs_failed_total"] == 1
     assert metrics["pglane_attempt_duration_seconds_count"] == 4
