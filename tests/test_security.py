@@ -78,6 +78,7 @@ OPERATIONS: dict[str, tuple[set[str], Callable[[Any, Any, Any], Any]]] = {
     "retry": ({"operator"}, lambda c, admin, new: c.execute("SELECT pglane.retry(%s)", (_failed(admin),))),
     "cancel": ({"operator"}, lambda c, admin, new: c.execute(
         "SELECT pglane.cancel(%s)", (pglane.enqueue(admin, "brain", {}),))),
+    "read payloads": ({"worker", "operator"}, lambda c, admin, new: c.execute("SELECT payload FROM pglane.jobs")),
     "read attempts": ({"operator"}, lambda c, admin, new: c.execute("SELECT * FROM pglane.attempts")),
     "read lane status": ({"operator"}, lambda c, admin, new: c.execute("SELECT * FROM pglane.lane_status")),
     "prune": ({"operator"}, lambda c, admin, new: c.execute("SELECT pglane.prune(interval '1 day')")),
