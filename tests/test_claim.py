@@ -194,30 +194,48 @@ def test_failed_attempt_backs_off_for_seconds_not_minutes(conn: Any) -> None:
     assert 1 <= delay <= 10
 
 
-def test_seq_is_gapless_in_claim_order_with_many_producers(dsn: str, conn: Any, lane: str) -> None:
+def test_seq_is_gapless_in_claim_order_with_many_producers_and_two_slots(dsn: str, conn: Any) -> None:
+    pglane.create_lane(conn, "wide", slots=2, job_timeout=10)
+    producing = threading.Event()
+
     def produce(n: int) -> None:
         with pglane.connect(dsn) as c:
             for i in range(25):
-                pglane.enqueue(c, lane, {"producer": n, "i": i})
+                pglane.enqueue(c, "wide", {"producer": n, "i": i})
 
-    threads = [threading.Thread(target=produce, args=(n,)) for n in range(4)]
-    for t in threads:
+    def consume(slot: int, seqs: list[int]) -> None:
+        with pglane.connect(dsn) as c:
+            take_slot(c, "wide", slot)
+            idle_rounds = 0
+            while idle_rounds < 20:
+                row = claim(c, "wide")
+                if row is None:
+                    idle_rounds += 0 if producing.is_set() else 1
+                    continue
+                seqs.append(row["seq"])
+                if row["seq"] % 7 == 0:  # a claim that rolls back gives its number back
+                    c.autocommit = False
+                    claim(c, "wide")
+                    c.rollback()
+                    c.autocommit = True
+                c.execute("SELECT pglane.complete(%s, NULL)", (row["attempt_id"],))
+
+    seqs_a: list[int] = []
+    seqs_b: list[int] = []
+    producing.set()
+    producers = [threading.Thread(target=produce, args=(n,)) for n in range(4)]
+    consumers = [threading.Thread(target=consume, args=(1, seqs_a)), threading.Thread(target=consume, args=(2, seqs_b))]
+    for t in producers + consumers:
         t.start()
-    take_slot(conn, lane)
-    seqs = []
-    for t in threads:
+    for t in producers:
         t.join()
-    # A claim that rolls back gives its number back.
-    conn.autocommit = False
-    assert claim(conn) is not None
-    conn.rollback()
-    conn.autocommit = True
-    while (row := claim(conn)) is not None:
-        seqs.append(row["seq"])
-        conn.execute("SELECT pglane.complete(%s, NULL)", (row["attempt_id"],))
-    assert seqs == list(range(1, 101))
-    stored = [r["seq"] for r in conn.execute("SELECT seq FROM pglane.attempts ORDER BY id")]
-    assert stored == seqs
+    producing.clear()
+    for t in consumers:
+        t.join()
+    assert sorted(seqs_a + seqs_b) == list(range(1, 101))
+    assert seqs_a == sorted(seqs_a) and seqs_b == sorted(seqs_b)
+    stored = [r["seq"] for r in conn.execute("SELECT seq FROM pglane.attempts ORDER BY started_at, id")]
+    assert sorted(stored) == list(range(1, 101))
 
 
 def test_statuses_outside_the_contract_are_refused_by_named_checks(conn: Any, lane: str) -> None:
