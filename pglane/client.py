@@ -112,7 +112,7 @@ def create_lane(
 
 def lanes(conn: psycopg.Connection[Row]) -> list[Row]:
     with translated():
-        return conn.execute(queries.LANES).fetchall()
+        return conn.execute(queries.LANES, {"name": None}).fetchall()
 
 
 def enqueue(

@@ -17,15 +17,10 @@ STUCK: LiteralString = "SELECT * FROM pglane.stuck_attempts(%s) ORDER BY attempt
 PRUNE: LiteralString = "SELECT pglane.prune(make_interval(secs => %s), %s, %s)"
 TERMINATE: LiteralString = "SELECT pg_terminate_backend(%s)"
 
-LANE: LiteralString = (
+LANES: LiteralString = (  # every lane, or the one named %(name)s
     "SELECT id, name, slots, extract(epoch FROM job_timeout)::float8 AS job_timeout,"
     " extract(epoch FROM lease_timeout)::float8 AS lease_timeout, max_attempts, max_queued"
-    " FROM pglane.lanes WHERE name = %s"
-)
-LANES: LiteralString = (
-    "SELECT id, name, slots, extract(epoch FROM job_timeout)::float8 AS job_timeout,"
-    " extract(epoch FROM lease_timeout)::float8 AS lease_timeout, max_attempts, max_queued"
-    " FROM pglane.lanes ORDER BY name"
+    " FROM pglane.lanes WHERE %(name)s::text IS NULL OR name = %(name)s ORDER BY name"
 )
 CREATE_LANE: LiteralString = (
     "INSERT INTO pglane.lanes (name, slots, job_timeout, lease_timeout, max_attempts, max_queued,"

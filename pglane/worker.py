@@ -196,11 +196,11 @@ class Worker:
             raise DatabaseUnavailable(f"cannot connect to the database ({_first_line(exc)}); check "
                                       "--dsn / PGLANE_DSN") from None
         async with conn:
-            cur = await conn.execute(queries.LANE, (self.lane_name,))
+            cur = await conn.execute(queries.LANES, {"name": self.lane_name})
             row = await cur.fetchone()
         if row is None:
             raise UnknownLane(f"unknown lane {self.lane_name!r}; create it with: pglane lane create {self.lane_name}")
-        return Lane(id=row[0], name=row[1], slots=row[2], job_timeout=row[3], lease_timeout=row[4])
+        return Lane(*row[:5])
 
     # ----- one session: connect, slot, listen, recover, drain ---------------------------------
 

@@ -64,10 +64,8 @@ def test_a_missed_notification_costs_at_most_one_poll_interval(conn: Any, lane: 
 def test_a_standby_takes_over_when_the_active_worker_is_killed_and_calls_never_overlap(
     conn: Any, lane: str, workers: Workers, ledger: Ledger
 ) -> None:
-    first = workers.start(lane)
-    first_pid = wait_until(lambda: slot_holder(conn, lane), 20, "a slot holder")[0]
-    second = workers.start(lane)
-    wait_until(lambda: "standby" in Workers.log(second), 20, "the second worker to wait as a standby")
+    first, second = workers.start_holder_and_standby(conn, lane)
+    first_pid = slot_holder(conn, lane)[0]
     jobs = [pglane.enqueue(conn, lane, {"sleep": 0.05}) for _ in range(20)]
     wait_until(lambda: len(ledger.calls()) >= 5, 20, "some calls")
     first.kill()
@@ -84,10 +82,7 @@ def test_a_standby_takes_over_when_the_active_worker_is_killed_and_calls_never_o
 def test_a_standby_takes_over_when_the_active_worker_exits_on_sigterm(
     conn: Any, lane: str, workers: Workers, ledger: Ledger
 ) -> None:
-    first = workers.start(lane)
-    wait_until(lambda: slot_holder(conn, lane), 20, "a slot holder")
-    second = workers.start(lane)
-    wait_until(lambda: "standby" in Workers.log(second), 20, "the standby")
+    first, second = workers.start_holder_and_standby(conn, lane)
     first.send_signal(signal.SIGTERM)
     assert first.wait(20) == 0
     job = pglane.enqueue(conn, lane, {})

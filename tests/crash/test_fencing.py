@@ -47,10 +47,7 @@ def test_a_cut_lock_session_stops_claims_and_the_worker_reconnects_and_delivers(
 def test_with_a_standby_a_cut_lock_session_hands_over_and_no_new_call_overlaps(
     conn: Any, lane: str, workers: Workers, ledger: Ledger
 ) -> None:
-    first = workers.start(lane)
-    wait_until(lambda: slot_holder(conn, lane), 20, "the first worker's slot")
-    second = workers.start(lane)
-    wait_until(lambda: "standby" in Workers.log(second), 20, "the standby")
+    first, second = workers.start_holder_and_standby(conn, lane)
     job = pglane.enqueue(conn, lane, {"sleep": 1.5})
     wait_until(lambda: job in ledger.calls(), 20, "the call")
     cut = time.monotonic_ns()
@@ -69,9 +66,7 @@ def test_with_a_standby_a_cut_lock_session_hands_over_and_no_new_call_overlaps(
 
 
 def freeze_and_hand_over(conn: Any, lane: str, workers: Workers, ledger: Ledger) -> tuple[Any, int, int]:
-    frozen = workers.start(lane)
-    wait_until(lambda: slot_holder(conn, lane), 20, "the first worker's slot")
-    workers.start(lane)
+    frozen, _ = workers.start_holder_and_standby(conn, lane)
     job = pglane.enqueue(conn, lane, {"sleep": 1.0})
     wait_until(lambda: job in ledger.calls(), 20, "the call")
     attempt = ledger.attempts_of("start")[-1]
