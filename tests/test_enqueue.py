@@ -161,3 +161,12 @@ def test_a_bounded_lane_refuses_jobs_past_max_queued_on_every_path(conn: Any) ->
     pglane.cancel(conn, job)  # leaving the queue frees a place
     pglane.enqueue(conn, "bounded", {"n": 10})
     assert conn.execute("SELECT count(*) AS n FROM pglane.jobs WHERE status = 'queued'").fetchone()["n"] == 3
+
+
+def test_a_batch_insert_past_the_bound_is_refused_whole(conn: Any) -> None:
+    pglane.create_lane(conn, "bounded", job_timeout=10, max_queued=3)
+    pglane.enqueue(conn, "bounded", {})
+    with pytest.raises(pglane.LaneFull, match="max_queued is 3 and 1 job"), pglane.client.translated():
+        conn.execute("INSERT INTO pglane.jobs (lane, payload) SELECT 'bounded', '{}' FROM generate_series(1, 3)")
+    conn.execute("INSERT INTO pglane.jobs (lane, payload) SELECT 'bounded', '{}' FROM generate_series(1, 2)")
+    assert count_jobs(conn) == 3
