@@ -13,6 +13,7 @@ import asyncio
 import importlib
 import inspect
 import json
+import time
 import traceback
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -98,22 +99,27 @@ class Runner:
             self._thread.shutdown(wait=False, cancel_futures=True)
 
 
-async def run(runner: Runner, job: Job, job_timeout: float, hard_timeout: float) -> Outcome | None:
-    """Run the handler on ``job``. Returns None only when the handler outlived ``hard_timeout``
-    (it ignored cancellation, or is a sync handler): the caller must then recycle the process."""
-    future, cancel = runner.start(job)
-    if not future.done():
-        await asyncio.wait((future,), timeout=job_timeout)
-    if not future.done():
-        cancel()  # async handlers stop here; a thread cannot be stopped, it is waited for
-        await asyncio.wait((future,), timeout=max(0.0, hard_timeout - job_timeout))
-        if not future.done():
-            return None
-        return Outcome(error=f"timed out: the handler ran past the lane's job_timeout of {job_timeout:g}s",
-                       timed_out=True)
+def outcome_of(future: asyncio.Future[Any]) -> Outcome:
+    """The outcome of a finished call."""
     if future.cancelled():
         return Outcome(error="the handler was cancelled")
     exc = future.exception()
     if exc is not None:
         return Outcome(error=_describe(exc))
     return encode(future.result())
+
+
+async def settle(future: asyncio.Future[Any], cancel: Callable[[], object], job_timeout: float,
+                 job_deadline: float, hard_deadline: float) -> Outcome | None:
+    """Wait for a started call until ``job_deadline`` (time.monotonic), then ask it to stop and wait
+    until ``hard_deadline``. Returns None only when the handler outlived the hard deadline (it ignored
+    cancellation, or is a sync handler): the caller must then recycle the process."""
+    if not future.done():
+        await asyncio.wait((future,), timeout=max(0.0, job_deadline - time.monotonic()))
+    if future.done():
+        return outcome_of(future)
+    cancel()  # async handlers stop here; a thread cannot be stopped, it is waited for
+    await asyncio.wait((future,), timeout=max(0.0, hard_deadline - time.monotonic()))
+    if not future.done():
+        return None
+    return Outcome(error=f"timed out: the handler ran past the lane's job_timeout of {job_timeout:g}s", timed_out=True)

@@ -25,6 +25,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -73,37 +74,32 @@ class SlotLost(Exception):
 
 class Watchdog(threading.Thread):
     """The last resort against a handler that blocks the event loop past the hard timeout: from its
-    own thread and its own connection it records the attempt timed_out, then ends the process."""
+    own thread and its own connection it records the attempt timed_out, then ends the process.
 
-    GRACE = 1.0  # let the event loop handle the hard timeout first when it can
+    Arming costs the event loop one attribute assignment per job (atomic under the GIL): the thread
+    is never signalled, it looks every TICK seconds, so a hung call is caught within GRACE + TICK
+    after its hard deadline (the event loop itself acts at the deadline when it can)."""
+
+    GRACE = 1.0
+    TICK = 0.25
 
     def __init__(self, dsn: str) -> None:
         super().__init__(name="pglane-watchdog", daemon=True)
         self.dsn = dsn
-        self._cond = threading.Condition()
-        self._armed: tuple[int, float] | None = None  # (attempt id, monotonic deadline); guarded by _cond
+        self.armed: tuple[int, float] | None = None  # (attempt id, monotonic deadline); set by the loop only
 
     def arm(self, attempt_id: int, deadline: float) -> None:
-        with self._cond:
-            self._armed = (attempt_id, deadline)
-            self._cond.notify()
+        self.armed = (attempt_id, deadline)
 
     def disarm(self) -> None:
-        with self._cond:
-            self._armed = None
+        self.armed = None
 
     def run(self) -> None:
         while True:
-            with self._cond:
-                while self._armed is None:
-                    self._cond.wait()
-                attempt_id, deadline = self._armed
-                remaining = deadline + self.GRACE - time.monotonic()
-                if remaining > 0:
-                    self._cond.wait(remaining)
-                    continue
-                self._armed = None
-            self._fire(attempt_id)
+            time.sleep(self.TICK)
+            armed = self.armed
+            if armed is not None and time.monotonic() > armed[1] + self.GRACE:
+                self._fire(armed[0])
 
     def _fire(self, attempt_id: int) -> None:
         log.error("attempt %s: the handler blocked the worker past its hard timeout; recording it "
@@ -308,26 +304,13 @@ class Worker:
     async def _call(self, session: LockSession, job: Job, lane: Lane) -> Outcome:
         started = time.monotonic()
         self._watchdog.arm(job.attempt_id, started + self._hard_timeout)
-        try:
-            task = asyncio.ensure_future(handlers.run(self.runner, job, lane.job_timeout, self._hard_timeout))
-            done, _ = await asyncio.wait((task,), timeout=QUICK_CALL)
-            if not done:
-                watcher = asyncio.ensure_future(session.watch())
-                done, _ = await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-                if task not in done:
-                    log.error("the slot session died during attempt %s (%s): no new claim until a slot is "
-                              "taken again; the call goes on and its result will be delivered",
-                              job.attempt_id, _first_line(watcher.exception()))
-                    outcome = await task
-                    self._pending = (job, outcome if outcome is not None else _hung(self._hard_timeout))
-                    if outcome is None:
-                        self._recycle_hung(job)
-                    raise SlotLost("the slot session died during a call")
-                watcher.cancel()
-                await asyncio.gather(watcher, return_exceptions=True)
-            outcome = task.result()
-        finally:
-            self._watchdog.disarm()
+        future, cancel = self.runner.start(job)
+        await asyncio.sleep(0)  # an async handler that needs no I/O is done after its first step
+        if future.done():
+            outcome: Outcome | None = handlers.outcome_of(future)
+        else:
+            outcome = await self._call_slow(session, job, lane, future, cancel, started)
+        self._watchdog.disarm()
         if outcome is None:
             await self._write(session, job, _hung(self._hard_timeout))
             self._recycle_hung(job)
@@ -336,6 +319,33 @@ class Worker:
         if outcome.error is not None:
             log.info("attempt %s of job %s %s: %s", job.attempt_id, job.id,
                      "timed out" if outcome.timed_out else "failed", _first_line(RuntimeError(outcome.error)))
+        return outcome
+
+    async def _call_slow(self, session: LockSession, job: Job, lane: Lane, future: asyncio.Future[Any],
+                         cancel: Callable[[], object], started: float) -> Outcome | None:
+        """A call that did not finish at once: watch the slot session while it runs (calls shorter
+        than QUICK_CALL need no watcher), then enforce the job timeout and the hard timeout."""
+        lost: BaseException | None = None
+        done, _ = await asyncio.wait((future,), timeout=QUICK_CALL)
+        if not done:
+            watcher = asyncio.ensure_future(session.watch())
+            await asyncio.wait((future, watcher), timeout=max(0.0, started + lane.job_timeout - time.monotonic()),
+                               return_when=asyncio.FIRST_COMPLETED)
+            watcher.cancel()
+            (ended,) = await asyncio.gather(watcher, return_exceptions=True)
+            if isinstance(ended, psycopg.Error):
+                lost = ended
+                log.error("the slot session died during attempt %s (%s): no new claim until a slot is taken "
+                          "again; the call goes on and its result will be delivered", job.attempt_id,
+                          _first_line(ended))
+        outcome = await handlers.settle(future, cancel, lane.job_timeout, started + lane.job_timeout,
+                                        started + self._hard_timeout)
+        if lost is not None:
+            self._watchdog.disarm()
+            self._pending = (job, outcome if outcome is not None else _hung(self._hard_timeout))
+            if outcome is None:
+                self._recycle_hung(job)
+            raise SlotLost("the slot session died during a call")
         return outcome
 
     def _recycle_hung(self, job: Job) -> NoReturn:
