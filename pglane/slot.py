@@ -11,6 +11,12 @@ server frees the slot while this process may still be inside a call. Keepalives 
 peer goes unnoticed; every use of the connection raises ``psycopg.OperationalError`` after that, and
 the worker then reconnects and must take a slot again before it claims. The connection must be
 direct: a transaction-mode pooler (PgBouncer) would hand the lock and the LISTEN to other clients.
+
+The connection is a synchronous psycopg connection driven from the worker's event loop: its
+statements are short (a claim, a completion) and block the loop for their round trip only, which
+costs far less per job than an async connection's machinery (bench: `python -m bench`); waiting
+(for a NOTIFY, or for the connection to fail during a call) is done on the event loop by watching
+the socket, never by blocking. The one long blocking call is a standby's bounded wait for a slot.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ log = logging.getLogger("pglane.worker")
 # Dead-peer detection on the lock connection (libpq keepalives; ignored on Unix sockets):
 # a silent host is noticed after about idle + interval * count = 10 + 5 * 3 = 25 seconds.
 KEEPALIVES: dict[str, Any] = {
+    "connect_timeout": 10,
     "keepalives": 1,
     "keepalives_idle": 10,
     "keepalives_interval": 5,
@@ -40,25 +47,25 @@ STANDBY_WAIT = "500ms"  # one blocking wait for a busy slot; bounded so that a s
 
 
 class LockSession:
-    def __init__(self, conn: psycopg.AsyncConnection[dict[str, Any]], lane_id: int, slots: int) -> None:
+    def __init__(self, conn: psycopg.Connection[dict[str, Any]], lane_id: int, slots: int) -> None:
         self.conn = conn
         self.lane_id = lane_id
         self.slots = slots
-        self.slot: int | None = None  # the slot this session holds; only take()/release() change it
+        self.slot: int | None = None  # the slot this session holds; only the take and release methods change it
         self.channel = f"pglane_{lane_id}"
 
     @classmethod
-    async def connect(cls, dsn: str, lane_id: int, slots: int, name: str) -> LockSession:
-        conn = await psycopg.AsyncConnection.connect(
+    def connect(cls, dsn: str, lane_id: int, slots: int, name: str) -> LockSession:
+        conn = psycopg.Connection.connect(
             dsn, autocommit=True, row_factory=dict_row, application_name=f"pglane {name}"[:63], **KEEPALIVES
         )
         return cls(conn, lane_id, slots)
 
-    async def try_take(self) -> bool:
+    def try_take(self) -> bool:
         """Take any free slot at once; False when all are held by others."""
         assert self.slot is None, "a session takes one slot once"
         for slot in range(1, self.slots + 1):
-            row = await (await self.conn.execute(queries.TRY_SLOT, (self.lane_id, slot))).fetchone()
+            row = self.conn.execute(queries.TRY_SLOT, (self.lane_id, slot)).fetchone()
             if row is not None and row["pg_try_advisory_lock"]:
                 self.slot = slot
                 return True
@@ -66,51 +73,77 @@ class LockSession:
 
     async def wait_take(self, stopping: asyncio.Event) -> bool:
         """Wait as a standby until a slot frees, then take it; False if asked to stop first.
-        Blocks on one slot at a time (rotating) so that a one-slot lane is taken over the moment
-        its holder's session ends."""
-        await self.conn.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(STANDBY_WAIT)))
+        Blocks on one slot at a time (rotating, STANDBY_WAIT each) so that a one-slot lane is taken
+        over the moment its holder's session ends; between waits the event loop runs (signals)."""
+        self.conn.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(STANDBY_WAIT)))
         try:
             turn = 0
             while not stopping.is_set():
                 slot = turn % self.slots + 1
                 turn += 1
                 try:
-                    await self.conn.execute(queries.WAIT_SLOT, (self.lane_id, slot))
+                    self.conn.execute(queries.WAIT_SLOT, (self.lane_id, slot))
                 except psycopg.errors.LockNotAvailable:
-                    if self.slots > 1 and await self.try_take():
+                    if self.slots > 1 and self.try_take():
                         return True
+                    await asyncio.sleep(0)
                     continue
                 self.slot = slot
                 return True
             return False
         finally:
             if not self.conn.closed:
-                await self.conn.execute("RESET lock_timeout")
+                self.conn.execute("RESET lock_timeout")
 
-    async def listen(self) -> None:
-        await self.conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+    def listen(self) -> None:
+        self.conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+
+    def _drain_notifies(self) -> bool:
+        """Consume the notifications received so far; True if there was one. Raises
+        OperationalError when the connection is gone (that is how a dead session is noticed)."""
+        return sum(1 for _ in self.conn.notifies(timeout=0)) > 0
+
+    async def _readable(self, timeout: float | None = None) -> bool:
+        """Wait until the socket has something to read (a NOTIFY, an error, EOF); False on timeout."""
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future[None] = loop.create_future()
+        fd = self.conn.fileno()
+
+        def on_readable() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        loop.add_reader(fd, on_readable)
+        try:
+            await asyncio.wait_for(ready, timeout)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            loop.remove_reader(fd)
 
     async def wait_for_wake(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for a NOTIFY on the lane; True if one came."""
-        async for _ in self.conn.notifies(timeout=timeout, stop_after=1):
+        if self._drain_notifies():  # received during an earlier statement
             return True
-        return False
+        return await self._readable(timeout) and self._drain_notifies()
 
     async def watch(self) -> None:
         """Consume notifications until the connection fails; raises OperationalError then.
         Run during a call, so that a lost lock connection is noticed at once."""
-        async for _ in self.conn.notifies():
-            pass
+        while True:
+            await self._readable()
+            self._drain_notifies()
 
-    async def release(self) -> None:
+    def release(self) -> None:
         """Give the slot back with a checked unlock, and close the session."""
         try:
             if self.slot is not None and not self.conn.closed:
-                row = await (await self.conn.execute(queries.RELEASE_SLOT, (self.lane_id, self.slot))).fetchone()
+                row = self.conn.execute(queries.RELEASE_SLOT, (self.lane_id, self.slot)).fetchone()
                 if row is None or not row["pg_advisory_unlock"]:
                     log.warning("slot %s of lane id %s was not held at release", self.slot, self.lane_id)
         except psycopg.Error:
             pass  # the session is gone, and with it the lock
         finally:
             self.slot = None
-            await self.conn.close()
+            self.conn.close()

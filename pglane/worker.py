@@ -144,7 +144,7 @@ class Worker:
             with contextlib.suppress(ValueError, RuntimeError):  # not the main thread
                 loop.add_signal_handler(sig, self.stop, f"{signal.Signals(sig).name} received")
         self._started = loop.time()
-        lane = await self._load_lane()
+        lane = self._load_lane()
         self._lane = lane
         self._hard_timeout = self.options.timeout or timing.default_worker_timeout(
             lane.job_timeout, lane.lease_timeout)
@@ -185,15 +185,14 @@ class Worker:
             return True
         return o.max_lifetime is not None and asyncio.get_running_loop().time() - self._started >= o.max_lifetime
 
-    async def _load_lane(self) -> Lane:
+    def _load_lane(self) -> Lane:
         try:
-            conn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True)
+            conn = psycopg.connect(self.dsn, autocommit=True)
         except psycopg.OperationalError as exc:
             raise DatabaseUnavailable(f"cannot connect to the database ({_first_line(exc)}); check "
                                       "--dsn / PGLANE_DSN") from None
-        async with conn:
-            cur = await conn.execute(queries.LANES, {"name": self.lane_name})
-            row = await cur.fetchone()
+        with conn:
+            row = conn.execute(queries.LANES, {"name": self.lane_name}).fetchone()
         if row is None:
             raise UnknownLane(f"unknown lane {self.lane_name!r}; create it with: pglane lane create {self.lane_name}")
         return Lane(*row[:5])
@@ -209,7 +208,7 @@ class Worker:
                 "cannot reach the database (%s); retrying", _first_line(rs.outcome.exception()) if rs.outcome else ""),
         ):
             with attempt:
-                return await LockSession.connect(self.dsn, lane.id, lane.slots, f"{lane.name} {self.name}")
+                return LockSession.connect(self.dsn, lane.id, lane.slots, f"{lane.name} {self.name}")
         raise AssertionError("unreachable")
 
     async def _serve(self, lane: Lane) -> None:
@@ -217,28 +216,27 @@ class Worker:
         try:
             if self._pending is not None:
                 job, outcome = self._pending
-                await self._write(session, job, outcome)
+                self._write(session, job, outcome)
                 self._pending = None
             if self._done():
                 return
-            if not await session.try_take():
+            if not session.try_take():
                 log.info("standby: all %s slot(s) of lane %s are held; waiting to take over", lane.slots, lane.name)
                 if not await session.wait_take(self._stopping):
                     return
             log.info("holding slot %s of lane %s", session.slot, lane.name)
             if self._metrics is not None:
                 self._metrics.slot_held.set(1)
-            await session.listen()
-            await self._recover(session)
+            session.listen()
+            self._recover(session)
             await self._drain(session, lane)
         finally:
             if self._metrics is not None:
                 self._metrics.slot_held.set(0)
-            await session.release()
+            session.release()
 
-    async def _recover(self, session: LockSession) -> None:
-        cur = await session.conn.execute(queries.RECOVER, (self.lane_name,))
-        row = await cur.fetchone()
+    def _recover(self, session: LockSession) -> None:
+        row = session.conn.execute(queries.RECOVER, (self.lane_name,)).fetchone()
         if row and row["recover"]:
             log.warning("recovered %s attempt(s) of lane %s whose worker was gone (marked lost)",
                         row["recover"], self.lane_name)
@@ -246,29 +244,29 @@ class Worker:
 
     async def _drain(self, session: LockSession, lane: Lane) -> None:
         loop = asyncio.get_running_loop()
-        job = await self._claim(session)
+        job = self._claim(session)
         while True:
             if job is not None:
                 outcome = await self._call(session, job, lane)
                 self.jobs_run += 1
                 if self._done():
-                    await self._write(session, job, outcome)
+                    self._write(session, job, outcome)
                     return
                 if loop.time() < self._next_recover:
-                    job = await self._write_and_claim(session, job, outcome)  # the fast path
+                    job = self._write_and_claim(session, job, outcome)  # the fast path
                     continue
-                await self._write(session, job, outcome)
+                self._write(session, job, outcome)
             if self._done():
                 return
             if loop.time() >= self._next_recover:  # when idle, and between jobs of a long busy spell
-                await self._recover(session)
-                job = await self._claim(session)
+                self._recover(session)
+                job = self._claim(session)
                 if job is not None:
                     continue
             await self._idle(session)
             if self._done():
                 return
-            job = await self._claim(session)
+            job = self._claim(session)
 
     async def _idle(self, session: LockSession) -> None:
         """Wait for a NOTIFY, the poll interval, the next recovery, the end of life, or a stop."""
@@ -288,15 +286,15 @@ class Worker:
 
     # ----- claim, call, write ---------------------------------------------------------------
 
-    async def _claim(self, session: LockSession) -> Job | None:
+    def _claim(self, session: LockSession) -> Job | None:
         started = time.perf_counter()
         try:
-            cur = await session.conn.execute(queries.CLAIM, (self.lane_name, self.name))
+            cur = session.conn.execute(queries.CLAIM, (self.lane_name, self.name))
         except psycopg.Error as exc:
             if exc.sqlstate == "PGL06":
                 raise SlotLost(_first_line(exc)) from None
             raise
-        row = await cur.fetchone()
+        row = cur.fetchone()
         if self._metrics is not None:
             self._metrics.claim_latency.observe(time.perf_counter() - started)
         return _job(row)
@@ -312,7 +310,7 @@ class Worker:
             outcome = await self._call_slow(session, job, lane, future, cancel, started)
         self._watchdog.disarm()
         if outcome is None:
-            await self._write(session, job, _hung(self._hard_timeout))
+            self._write(session, job, _hung(self._hard_timeout))
             self._recycle_hung(job)
         if self._metrics is not None:
             self._metrics.attempt(time.monotonic() - started, outcome.error is None)
@@ -354,13 +352,13 @@ class Worker:
         logging.shutdown()
         os._exit(EXIT_HUNG)
 
-    async def _write(self, session: LockSession, job: Job, outcome: Outcome) -> None:
+    def _write(self, session: LockSession, job: Job, outcome: Outcome) -> None:
         """Write one outcome through the guarded functions; keeps it pending if the session dies."""
         self._pending = (job, outcome)
         if outcome.result_json is not None:
             try:
-                cur = await session.conn.execute(queries.COMPLETE, (job.attempt_id, outcome.result_json))
-                accepted = bool((await cur.fetchone() or {}).get("complete"))
+                row = session.conn.execute(queries.COMPLETE, (job.attempt_id, outcome.result_json)).fetchone()
+                accepted = bool((row or {}).get("complete"))
             except psycopg.DataError as exc:
                 outcome = Outcome(error=f"the result could not be stored: {_first_line(exc)}")
                 self._pending = (job, outcome)
@@ -368,28 +366,28 @@ class Worker:
                 self._pending = None
                 self._log_refused(job, accepted)
                 return
-        cur = await session.conn.execute(queries.FAIL, (job.attempt_id, outcome.error, outcome.timed_out))
+        row = session.conn.execute(queries.FAIL, (job.attempt_id, outcome.error, outcome.timed_out)).fetchone()
         self._pending = None
-        self._log_refused(job, bool((await cur.fetchone() or {}).get("fail")))
+        self._log_refused(job, bool((row or {}).get("fail")))
 
-    async def _write_and_claim(self, session: LockSession, job: Job, outcome: Outcome) -> Job | None:
+    def _write_and_claim(self, session: LockSession, job: Job, outcome: Outcome) -> Job | None:
         if outcome.result_json is None:
-            await self._write(session, job, outcome)
-            return await self._claim(session)
+            self._write(session, job, outcome)
+            return self._claim(session)
         self._pending = (job, outcome)
         started = time.perf_counter()
         try:
-            cur = await session.conn.execute(
+            cur = session.conn.execute(
                 queries.COMPLETE_AND_CLAIM, (job.attempt_id, outcome.result_json, self.lane_name, self.name))
         except psycopg.DataError:
-            await self._write(session, job, outcome)  # re-tried alone, then failed with the reason
-            return await self._claim(session)
+            self._write(session, job, outcome)  # re-tried alone, then failed with the reason
+            return self._claim(session)
         except psycopg.Error as exc:
             if exc.sqlstate == "PGL06":
                 raise SlotLost(_first_line(exc)) from None
             raise
         self._pending = None
-        row = await cur.fetchone()
+        row = cur.fetchone()
         if self._metrics is not None:
             self._metrics.claim_latency.observe(time.perf_counter() - started)
         assert row is not None

@@ -216,16 +216,11 @@ def test_the_worker_log_says_what_it_does_in_one_line_each(conn: Any, lane: str,
 
 
 def test_the_lock_connection_carries_keepalives(dsn: str, conn: Any, lane: str) -> None:
-    import asyncio
-
     from pglane.slot import KEEPALIVES, LockSession
 
-    async def params() -> dict[str, str]:
-        session = await LockSession.connect(dsn, 1, 1, "probe")
-        try:
-            return session.conn.info.get_parameters()
-        finally:
-            await session.release()
-
-    got = asyncio.run(params())
+    session = LockSession.connect(dsn, 1, 1, "probe")
+    try:
+        got = session.conn.info.get_parameters()
+    finally:
+        session.release()
     assert {k: got.get(k) for k in KEEPALIVES} == {k: str(v) for k, v in KEEPALIVES.items()}
