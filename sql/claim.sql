@@ -24,17 +24,14 @@ BEGIN
     RETURN NULL;
 END $$;
 
--- claim: take the lane's oldest eligible queued job for the calling session, which must hold a slot
--- of the lane (raises PGL06 otherwise). One short transaction: the job becomes running, its attempt
--- row records the session identity (pid + backend_start) that recovery later checks, and the lane's
--- gapless seq is bumped under the counters row lock. SKIP LOCKED lets several slots claim at once
--- without waiting on each other's candidate rows. Returns no row when nothing is eligible.
-CREATE OR REPLACE FUNCTION pglane.claim(p_lane text, p_worker text)
+
+-- claim_impl, complete_impl: the bodies of claim() and complete(), shared with complete_and_claim()
+-- so that the worker's fast path switches its search_path once per job, not three times. They run
+-- only inside those SECURITY DEFINER functions: EXECUTE on them is granted to nobody.
+CREATE OR REPLACE FUNCTION pglane.claim_impl(p_lane text, p_worker text)
 RETURNS TABLE (job_id bigint, attempt_id bigint, attempt_number integer, seq bigint, lane text,
                payload jsonb, idempotency_key text, lease_expires_at timestamptz)
-LANGUAGE plpgsql SECURITY DEFINER
-SET search_path = pg_catalog, pglane, pg_temp
-AS $$
+LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 DECLARE
     v_lane    pglane.lanes;
@@ -90,20 +87,28 @@ BEGIN
     RETURN NEXT;
 END $$;
 
--- complete: store the result of attempt p_attempt_id; true if it was accepted.
--- Guard: the attempt must be its job's latest, and either still running on a running job, or marked
--- lost by recovery with the job failed or back in the queue and no newer attempt (a late result:
--- the paid output is kept). Anything else (a newer attempt exists, the job was cancelled, the
--- attempt already finished) returns false and changes nothing.
-CREATE OR REPLACE FUNCTION pglane.complete(p_attempt_id bigint, p_result jsonb DEFAULT NULL)
-RETURNS boolean
-LANGUAGE plpgsql SECURITY DEFINER
+-- claim: take the lane's oldest eligible queued job for the calling session, which must hold a slot
+-- of the lane (raises PGL06 otherwise). One short transaction: the job becomes running, its attempt
+-- row records the session identity (pid + backend_start) that recovery later checks, and the lane's
+-- gapless seq is bumped under the counters row lock. SKIP LOCKED lets several slots claim at once
+-- without waiting on each other's candidate rows. Returns no row when nothing is eligible.
+CREATE OR REPLACE FUNCTION pglane.claim(p_lane text, p_worker text)
+RETURNS TABLE (job_id bigint, attempt_id bigint, attempt_number integer, seq bigint, lane text,
+               payload jsonb, idempotency_key text, lease_expires_at timestamptz)
+LANGUAGE sql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
 AS $$
+    SELECT * FROM pglane.claim_impl(p_lane, p_worker);
+$$;
+
+
+CREATE OR REPLACE FUNCTION pglane.complete_impl(p_attempt_id bigint, p_result jsonb)
+RETURNS boolean
+LANGUAGE plpgsql AS $$
 DECLARE
-    v_job pglane.jobs;
+    v_job record;
 BEGIN
-    SELECT j.* INTO v_job FROM pglane.jobs j
+    SELECT j.id, j.status, j.attempts, j.lane INTO v_job FROM pglane.jobs j
      WHERE j.id = (SELECT a.job_id FROM pglane.attempts a WHERE a.id = p_attempt_id)
        FOR UPDATE;
     IF NOT FOUND THEN
@@ -130,6 +135,19 @@ BEGIN
     END IF;
     RETURN true;
 END $$;
+
+-- complete: store the result of attempt p_attempt_id; true if it was accepted.
+-- Guard: the attempt must be its job's latest, and either still running on a running job, or marked
+-- lost by recovery with the job failed or back in the queue and no newer attempt (a late result:
+-- the paid output is kept). Anything else (a newer attempt exists, the job was cancelled, the
+-- attempt already finished) returns false and changes nothing.
+CREATE OR REPLACE FUNCTION pglane.complete(p_attempt_id bigint, p_result jsonb DEFAULT NULL)
+RETURNS boolean
+LANGUAGE sql SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
+    SELECT pglane.complete_impl(p_attempt_id, p_result);
+$$;
 
 -- fail: record that attempt p_attempt_id failed (or timed out); true if it was accepted.
 -- Same guard as complete for a running attempt. The job goes back to the queue after the lane's
@@ -184,9 +202,9 @@ SET search_path = pg_catalog, pglane, pg_temp
 AS $$
 #variable_conflict use_column
 BEGIN
-    completed := pglane.complete(p_attempt_id, p_result);
+    completed := pglane.complete_impl(p_attempt_id, p_result);
     SELECT c.job_id, c.attempt_id, c.attempt_number, c.seq, c.lane, c.payload, c.idempotency_key, c.lease_expires_at
       INTO job_id, attempt_id, attempt_number, seq, lane, payload, idempotency_key, lease_expires_at
-      FROM pglane.claim(p_lane, p_worker) c;
+      FROM pglane.claim_impl(p_lane, p_worker) c;
     RETURN NEXT;
 END $$;
