@@ -82,6 +82,8 @@ OPERATIONS: dict[str, tuple[set[str], Callable[[Any, Any, Any], Any]]] = {
     "read attempts": ({"operator"}, lambda c, admin, new: c.execute("SELECT * FROM pglane.attempts")),
     "read lane status": ({"operator"}, lambda c, admin, new: c.execute("SELECT * FROM pglane.lane_status")),
     "prune": ({"operator"}, lambda c, admin, new: c.execute("SELECT pglane.prune(interval '1 day')")),
+    "call a function body directly": (set(), lambda c, admin, new: c.execute(
+        "SELECT * FROM pglane.claim_impl('brain', 'w')")),
     "UPDATE jobs": (set(), lambda c, admin, new: c.execute("UPDATE pglane.jobs SET status = 'done'")),
     "DELETE jobs": (set(), lambda c, admin, new: c.execute("DELETE FROM pglane.jobs")),
     "UPDATE attempts": (set(), lambda c, admin, new: c.execute("UPDATE pglane.attempts SET error = 'x'")),
