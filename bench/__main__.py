@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -26,12 +27,13 @@ from . import floors, real, report
 from .peers import Pgqueuer, Procrastinate
 from .pglane_runs import Pglane, claim_latency, enqueue_throughput, takeover
 from .server import bench_server, postgres_info
-from .stats import Sizes, progress, progress_done, rotations, summary
+from .stats import Sizes, latency_ms, progress, progress_done, rotations, summary
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PARTS = ("throughput", "wake", "claims", "takeover", "enqueue", "cost")
 THROUGHPUT_ORDER = ("pglane", "procrastinate", "pgqueuer", "floor_two_commits", "floor_one_commit", "floor_contract")
 WARMUP_JOBS = 200
+WAKE_CHUNKS = 3
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -65,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     consumers: dict[str, real.RealSystem] = {s.name: s for s in (pglane, *peers)}
     results: dict[str, dict[str, Any]] = {name: {} for name in (*THROUGHPUT_ORDER, "floor_listen")}
     doc: dict[str, Any] = {"mode": "quick" if args.quick else "full", "sizes": dataclasses.asdict(sizes),
-                           "results": results, "errors": {}}
+                           "results": results, "errors": {}, "machine": {"loadavg_start": os.getloadavg()}}
 
     with bench_server() as server:
         doc["postgres"] = postgres_info(server.admin_dsn)
@@ -101,14 +103,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results[name]["throughput_jobs_per_s"] = summary(values)
 
         def wake() -> None:
-            for system in (pglane, *peers, listen):
-                stats = real.wake(server, system, sizes.wake_jobs, logs, f"wake: {system.name}")
-                results[system.name].update({f"wake_{k}": v for k, v in stats.items() if k != "n"})
-                results[system.name]["wake_jobs"] = stats["n"]
+            systems = {s.name: s for s in (pglane, *peers, listen)}
+            samples: dict[str, list[float]] = {name: [] for name in systems}
+            chunk = max(1, sizes.wake_jobs // WAKE_CHUNKS)
+            for rep, name in rotations(list(systems), WAKE_CHUNKS):
+                label = f"wake: {name} (chunk {rep + 1}/{WAKE_CHUNKS})"
+                samples[name] += real.wake(server, systems[name], chunk, logs, label)
+            for name, values in samples.items():
+                stats = latency_ms(values)
+                results[name].update({"wake_p50_ms": stats["p50_ms"], "wake_p95_ms": stats["p95_ms"],
+                                      "wake_p99_ms": stats["p99_ms"], "wake_jobs": len(values)})
 
         def claims() -> None:
             doc["claim_latency"] = [
-                claim_latency(server.dsn("pglane"), queued, finished, sizes.claims_per_case,
+                claim_latency(server.dsn("pglane"), server.admin_dsn, queued, finished, sizes.claims_per_case,
                               f"claims: {queued:,} queued + {finished:,} finished")
                 for queued, finished in sizes.claim_cases
             ]
@@ -117,8 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             doc["takeover_s"] = takeover(server.dsn("pglane"), server.admin_dsn, sizes.takeover_kills, logs)
 
         def enqueue() -> None:
-            doc["enqueue"] = enqueue_throughput(server.dsn("pglane"), sizes.enqueue_jobs, sizes.bounded_backlog,
-                                                sizes.repetitions)
+            doc["enqueue"] = enqueue_throughput(server.dsn("pglane"), server.admin_dsn, sizes.enqueue_jobs,
+                                                sizes.bounded_backlog, sizes.repetitions)
 
         def cost() -> None:
             costs: dict[str, Any] = {}
@@ -139,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc["ratios"] = report.ratios(doc)
     doc["targets"] = report.verdicts(doc["ratios"])
     doc["elapsed_s"] = round(time.monotonic() - started, 1)
+    doc["machine"]["loadavg_end"] = os.getloadavg()
     doc = _jsonable(doc)
     print(report.markdown(doc))
     print(f"elapsed {doc['elapsed_s']} s" + (f"; errors: {doc['errors']}" if doc["errors"] else ""))

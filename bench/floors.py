@@ -179,10 +179,11 @@ class FloorListen(RealSystem):
     def worker(self, dsn: str, handler: str) -> tuple[list[str], dict[str, str]]:
         return ["-m", "bench.floors", "listen", dsn], {}
 
-    def bulk_enqueue(self, dsn: str, n: int) -> None:
+    def bulk_enqueue(self, dsn: str, n: int) -> float:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("INSERT INTO floor_jobs (payload) SELECT jsonb_build_object('n', g)"
                          " FROM generate_series(0, %s - 1) g", (n,))
+            return time.time()
 
     def producer(self, dsn: str) -> AbstractAsyncContextManager[Put]:
         @contextlib.asynccontextmanager

@@ -6,6 +6,11 @@
 
 With BENCH_PROFILE=FILE the worker process that imports this module runs under cProfile from then on
 and dumps its statistics to FILE at exit (a graceful SIGTERM stop runs atexit).
+
+With BENCH_EXPERIMENT=lean-call (only ``python -m bench.profile`` sets it) this worker process patches
+its own copy of pglane's worker in memory: Worker._call awaits the async handler directly (no
+watchdog, no timeout, no session watcher). That is a lower bound for the call scaffolding, to measure
+what it costs; nothing on disk changes.
 """
 
 from __future__ import annotations
@@ -33,9 +38,27 @@ async def stamp(job: Job) -> None:
 
 def _start_profile(path: str) -> None:
     profile = cProfile.Profile()
+
+    def dump() -> None:
+        profile.disable()
+        profile.dump_stats(path)
+
     profile.enable()
-    atexit.register(lambda: (profile.disable(), profile.dump_stats(path)))
+    atexit.register(dump)
 
 
+def _experiment(name: str) -> None:
+    from pglane import handler as handlers
+    from pglane import worker
+
+    async def lean_call(self: worker.Worker, session: Any, job: Job, lane: Any) -> handlers.Outcome:
+        return handlers.encode(await self.runner.handler(job))
+
+    if name == "lean-call":
+        worker.Worker._call = lean_call  # type: ignore[method-assign]
+
+
+if os.environ.get("BENCH_EXPERIMENT"):
+    _experiment(os.environ["BENCH_EXPERIMENT"])
 if os.environ.get("BENCH_PROFILE"):
     _start_profile(os.environ["BENCH_PROFILE"])

@@ -19,6 +19,7 @@ import contextlib
 import json
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from datetime import timedelta
@@ -86,13 +87,15 @@ class Procrastinate(RealSystem):
     def worker(self, dsn: str, handler: str) -> tuple[list[str], dict[str, str]]:
         return ["-m", "bench.peers", "procrastinate", dsn], {}
 
-    def bulk_enqueue(self, dsn: str, n: int) -> None:
-        async def defer() -> None:
+    def bulk_enqueue(self, dsn: str, n: int) -> float:
+        async def defer() -> float:
             app = procrastinate_app(dsn)
             async with app.open_async():
-                await app.tasks[ENTRYPOINT].batch_defer_async(*({"n": i} for i in range(n)))
+                jobs: list[dict[str, Any]] = [{"n": i} for i in range(n)]
+                await app.tasks[ENTRYPOINT].batch_defer_async(*jobs)
+                return time.time()
 
-        asyncio.run(defer())
+        return asyncio.run(defer())
 
     def producer(self, dsn: str) -> AbstractAsyncContextManager[Put]:
         @contextlib.asynccontextmanager
@@ -150,16 +153,17 @@ class Pgqueuer(RealSystem):
     def worker(self, dsn: str, handler: str) -> tuple[list[str], dict[str, str]]:
         return ["-m", "bench.peers", "pgqueuer", dsn], {}
 
-    def bulk_enqueue(self, dsn: str, n: int) -> None:
-        async def enqueue() -> None:
+    def bulk_enqueue(self, dsn: str, n: int) -> float:
+        async def enqueue() -> float:
             conn = await _asyncpg(dsn)
             try:
                 payloads: list[bytes | None] = [json.dumps({"n": i}).encode() for i in range(n)]
                 await Queries.from_asyncpg_connection(conn).enqueue([ENTRYPOINT] * n, payloads, [0] * n)
+                return time.time()
             finally:
                 await conn.close()
 
-        asyncio.run(enqueue())
+        return asyncio.run(enqueue())
 
     def producer(self, dsn: str) -> AbstractAsyncContextManager[Put]:
         @contextlib.asynccontextmanager

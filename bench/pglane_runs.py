@@ -21,6 +21,7 @@ from pglane import client, schema
 
 from . import procs
 from .real import Put, RealSystem
+from .server import quiesce
 from .stats import latency_ms, progress, rotations, summary, wait_until
 
 LANE = "bench"
@@ -32,7 +33,7 @@ ENQUEUE = "SELECT pglane.enqueue(%s, %s::jsonb)"
 
 
 def lane_id(conn: psycopg.Connection[Any], name: str) -> int:
-    row = conn.execute(procs.PROBE + "SELECT id FROM pglane.lanes WHERE name = %s", (name,)).fetchone()
+    row = conn.execute("SELECT id FROM pglane.lanes WHERE name = %s", (name,)).fetchone()
     assert row is not None, name
     return int(row[0])
 
@@ -89,9 +90,10 @@ class Pglane(RealSystem):
         return (["-m", "pglane", "worker", lane, "--handler", f"bench.handlers:{handler}", "--poll-interval", "5"],
                 {"PGLANE_DSN": dsn})
 
-    def bulk_enqueue(self, dsn: str, n: int) -> None:
+    def bulk_enqueue(self, dsn: str, n: int) -> float:
         with psycopg.connect(dsn, autocommit=True) as conn:
             load_queued(conn, LANE, n)
+            return time.time()
 
     def producer(self, dsn: str) -> AbstractAsyncContextManager[Put]:
         @contextlib.asynccontextmanager
@@ -107,7 +109,7 @@ class Pglane(RealSystem):
 
 # ----- claim latency ---------------------------------------------------------------------------
 
-def claim_latency(dsn: str, queued: int, finished: int, claims: int, label: str) -> dict[str, Any]:
+def claim_latency(dsn: str, admin_dsn: str, queued: int, finished: int, claims: int, label: str) -> dict[str, Any]:
     """p50/p99 of pglane.claim() with ``queued`` jobs waiting and ``finished`` jobs of history.
     Each timed claim is followed (untimed) by complete() and the enqueue of one new job, so the
     backlog stays at ``queued``."""
@@ -120,6 +122,7 @@ def claim_latency(dsn: str, queued: int, finished: int, claims: int, label: str)
         conn.execute("VACUUM ANALYZE pglane.jobs")
         if finished:
             conn.execute("VACUUM ANALYZE pglane.attempts")  # never analyze it empty: see performance.md
+        quiesce(admin_dsn)
         conn.execute("SELECT pg_advisory_lock(%s, 1)", (lane_id(conn, CLAIM_LANE),))
         progress(f"{label}: {claims} claims")
         samples: list[float] = []
@@ -144,7 +147,7 @@ def claim_latency(dsn: str, queued: int, finished: int, claims: int, label: str)
 def _slot_state(admin: psycopg.Connection[Any], lid: int) -> tuple[int, int]:
     """(granted, waiting) session locks on slot 1 of lane id ``lid``."""
     row = admin.execute(
-        procs.PROBE + "SELECT count(*) FILTER (WHERE granted), count(*) FILTER (WHERE NOT granted) FROM pg_locks"
+        "SELECT count(*) FILTER (WHERE granted), count(*) FILTER (WHERE NOT granted) FROM pg_locks"
         " WHERE locktype = 'advisory' AND classid = %s AND objid = 1 AND objsubid = 2", (lid,)).fetchone()
     assert row is not None
     return int(row[0]), int(row[1])
@@ -163,6 +166,7 @@ def takeover(dsn: str, admin_dsn: str, kills: int, logs: Path) -> dict[str, Any]
         lid = lane_id(conn, TAKEOVER_LANE)
         for k in range(kills):
             progress(f"takeover: kill {k + 1}/{kills}")
+            quiesce(admin_dsn)
             with procs.running(args, logs / "takeover-active.log", env) as active:
                 wait_until(lambda: _slot_state(admin, lid)[0] == 1, 30, "the active worker's slot")
                 with procs.running(args, logs / "takeover-standby.log", env) as standby:
@@ -206,7 +210,7 @@ ENQUEUE_VARIANTS: dict[str, Callable[[psycopg.Connection[Any], int], None]] = {
 }
 
 
-def enqueue_throughput(dsn: str, n: int, backlog: int, repetitions: int) -> dict[str, Any]:
+def enqueue_throughput(dsn: str, admin_dsn: str, n: int, backlog: int, repetitions: int) -> dict[str, Any]:
     """Jobs/s of one producer for each variant (one commit per job except the batch), interleaved.
     The *_100k variants insert into lanes that already hold ``backlog`` queued jobs; the bounded
     lane has max_queued set (far above), so every insert maintains and checks its counter."""
@@ -216,6 +220,7 @@ def enqueue_throughput(dsn: str, n: int, backlog: int, repetitions: int) -> dict
         load_queued(conn, "enq_unbounded", backlog)
         load_queued(conn, "enq_bounded", backlog)
         conn.execute("VACUUM ANALYZE pglane.jobs")
+        quiesce(admin_dsn)
         runs: dict[str, list[float]] = {name: [] for name in ENQUEUE_VARIANTS}
         for rep, name in rotations(list(ENQUEUE_VARIANTS), repetitions):
             progress(f"enqueue: {name} (repetition {rep + 1}/{repetitions})")

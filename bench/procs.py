@@ -25,7 +25,6 @@ from .stats import BenchTimeout, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 STOP_TIMEOUT = 15.0
-PROBE = "/* bench-probe */ "  # marks the harness's own statements (excluded from cost counts)
 
 
 def stamp(n: int) -> None:
@@ -88,7 +87,7 @@ def running(args: list[str], log: Path, env: dict[str, str] | None = None) -> It
 def backends(conn: psycopg.Connection[Any], dbname: str) -> list[tuple[int, str, float]]:
     """(pid, state, seconds in that state) of the client sessions on ``dbname`` other than ``conn``'s."""
     rows = conn.execute(
-        PROBE + "SELECT pid, coalesce(state, ''), extract(epoch FROM clock_timestamp() - state_change)::float8"
+        "SELECT pid, coalesce(state, ''), extract(epoch FROM clock_timestamp() - state_change)::float8"
         " FROM pg_stat_activity WHERE datname = %s AND backend_type = 'client backend' AND pid <> pg_backend_pid()",
         (dbname,),
     ).fetchall()

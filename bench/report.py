@@ -42,7 +42,8 @@ def ratios(doc: dict[str, Any]) -> dict[str, float | None]:
     enqueue = doc.get("enqueue", {})
 
     def rate(name: str) -> float | None:
-        return enqueue.get(name, {}).get("jobs_per_s", {}).get("median")
+        value = enqueue.get(name, {}).get("jobs_per_s", {}).get("median")
+        return None if value is None else float(value)
 
     return {
         "pglane/floor_contract": _div(_throughput(results, "pglane"), _throughput(results, "floor_contract")),
@@ -90,6 +91,12 @@ def markdown(doc: dict[str, Any]) -> str:
                  f"{settings.get('synchronous_commit')}, fsync={settings.get('fsync')}, shared_buffers="
                  f"{settings.get('shared_buffers')}; mode: {doc['mode']}, {doc['sizes']['throughput_jobs']} jobs"
                  f" per drain x {doc['sizes']['repetitions']} interleaved runs")
+    load = doc.get("machine", {})
+    if load.get("loadavg_start"):
+        busy = max(load["loadavg_start"][0], (load.get("loadavg_end") or [0])[0])
+        parts.append(f"load average (1 min) at start {load['loadavg_start'][0]:.2f}, at end "
+                     f"{(load.get('loadavg_end') or [0])[0]:.2f}" + (" - other work shared this machine: read"
+                     " absolute figures with care" if busy > 1.5 else ""))
     rows = []
     for name, entry in doc["results"].items():
         tp = entry.get("throughput_jobs_per_s")
@@ -106,8 +113,9 @@ def markdown(doc: dict[str, Any]) -> str:
                 for name, v in enqueue.items() if isinstance(v, dict) and "jobs_per_s" in v]
     parts.append(_table(["enqueue variant", "jobs/s (median)", "range"], enq_rows))
     cost_rows = [[name, _f(c.get("round_trips_per_job")), _f(c.get("commits_per_job")),
-                  _f(c.get("wal_bytes_per_job"), 0)] for name, c in doc.get("cost_per_job", {}).items()]
-    parts.append(_table(["cost per job", "round trips", "commits", "WAL bytes"], cost_rows))
+                  _f(c.get("write_commits_per_job")), _f(c.get("wal_bytes_per_job"), 0)]
+                 for name, c in doc.get("cost_per_job", {}).items()]
+    parts.append(_table(["cost per job", "round trips", "commits (all)", "write commits", "WAL bytes"], cost_rows))
     take = doc.get("takeover_s", {})
     if take:
         parts.append(f"takeover after SIGKILL: median {take['median']:.3f} s (range {take['min']:.3f}-"
@@ -120,7 +128,7 @@ def markdown(doc: dict[str, Any]) -> str:
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
-    """Claim latency p50/p99 per backlog case (log y), one PNG."""
+    """Claim latency p50/p99 per backlog case (linear y from 0), one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -133,7 +141,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     ax.plot(xs, [c["p50_ms"] for c in claims], marker="o", label="p50")
     ax.plot(xs, [c["p99_ms"] for c in claims], marker="s", label="p99")
     ax.set_xticks(xs, labels, fontsize=8)
-    ax.set_yscale("log")
+    ax.set_ylim(bottom=0)
     ax.set_ylabel("pglane.claim() latency, ms (client side, incl. commit)")
     ax.set_title("pglane claim latency vs backlog and history")
     ax.grid(True, which="both", alpha=0.3)

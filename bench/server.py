@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,3 +106,18 @@ def postgres_info(admin_dsn: str) -> dict[str, Any]:
         ).fetchall()
     settings = {str(name): str(value) for name, value in rows}
     return {"version": version[0] if version else "?", "settings": settings, "cpus": os.cpu_count()}
+
+
+def quiesce(admin_dsn: str, timeout: float = 20.0) -> None:
+    """Let background work settle before a latency measurement: a CHECKPOINT (so its writes are not
+    in the samples) and a bounded wait until no autovacuum worker is running."""
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        with contextlib.suppress(psycopg.Error):  # needs superuser or pg_checkpoint; skip otherwise
+            conn.execute("CHECKPOINT")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            row = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker'").fetchone()
+            if row is None or row[0] == 0:
+                return
+            time.sleep(0.1)
