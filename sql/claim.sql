@@ -27,10 +27,12 @@ END $$;
 
 -- claim_impl, complete_impl: the bodies of claim() and complete(), shared with complete_and_claim()
 -- so that the worker's fast path switches its search_path once per job, not three times. They run
--- only inside those SECURITY DEFINER functions: EXECUTE on them is granted to nobody.
-CREATE OR REPLACE FUNCTION pglane.claim_impl(p_lane text, p_worker text)
-RETURNS TABLE (job_id bigint, attempt_id bigint, attempt_number integer, seq bigint, lane text,
-               payload jsonb, idempotency_key text, lease_expires_at timestamptz)
+-- only inside those SECURITY DEFINER functions: EXECUTE on them is granted to nobody. claim_impl
+-- returns one row, all NULL when nothing is eligible (cheaper to call than a set-returning function).
+CREATE OR REPLACE FUNCTION pglane.claim_impl(
+    p_lane text, p_worker text,
+    OUT job_id bigint, OUT attempt_id bigint, OUT attempt_number integer, OUT seq bigint, OUT lane text,
+    OUT payload jsonb, OUT idempotency_key text, OUT lease_expires_at timestamptz)
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 DECLARE
@@ -84,7 +86,6 @@ BEGIN
 
     job_id := v_job; attempt_id := v_attempt; attempt_number := v_number; seq := v_seq;
     lane := p_lane; payload := v_payload; idempotency_key := v_key; lease_expires_at := v_lease;
-    RETURN NEXT;
 END $$;
 
 -- claim: take the lane's oldest eligible queued job for the calling session, which must hold a slot
@@ -98,7 +99,7 @@ RETURNS TABLE (job_id bigint, attempt_id bigint, attempt_number integer, seq big
 LANGUAGE sql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
 AS $$
-    SELECT * FROM pglane.claim_impl(p_lane, p_worker);
+    SELECT * FROM pglane.claim_impl(p_lane, p_worker) c WHERE c.job_id IS NOT NULL;
 $$;
 
 
@@ -106,32 +107,48 @@ CREATE OR REPLACE FUNCTION pglane.complete_impl(p_attempt_id bigint, p_result js
 RETURNS boolean
 LANGUAGE plpgsql AS $$
 DECLARE
-    v_job record;
+    v_job    bigint;
+    v_number integer;
+    v_late   record;
 BEGIN
-    SELECT j.id, j.status, j.attempts, j.lane INTO v_job FROM pglane.jobs j
-     WHERE j.id = (SELECT a.job_id FROM pglane.attempts a WHERE a.id = p_attempt_id)
+    -- An attempt's job_id and attempt_number never change: reading them needs no lock.
+    SELECT a.job_id, a.attempt_number INTO v_job, v_number FROM pglane.attempts a WHERE a.id = p_attempt_id;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+
+    -- The usual case: the job is running and this is its latest attempt. The UPDATE takes the job's
+    -- row lock and, had it to wait, re-checks the guard on the newest row version. A running job's
+    -- latest attempt is running (every transition of that attempt moves the job too).
+    UPDATE pglane.jobs j SET status = 'done', finished_at = now(), result = p_result
+     WHERE j.id = v_job AND j.status = 'running' AND j.attempts = v_number;
+    IF FOUND THEN
+        UPDATE pglane.attempts a SET status = 'done', finished_at = now()
+         WHERE a.id = p_attempt_id AND a.status = 'running';
+        IF NOT FOUND THEN
+            RAISE EXCEPTION 'pglane invariant broken: running job % has a finished latest attempt %', v_job, p_attempt_id;
+        END IF;
+        RETURN true;
+    END IF;
+
+    -- A late result: accepted from an attempt that recovery marked lost, while it is still the job's
+    -- latest and the job is failed or back in the queue (the paid output is kept).
+    SELECT j.status, j.lane INTO v_late FROM pglane.jobs j
+     WHERE j.id = v_job AND j.attempts = v_number AND j.status IN ('failed', 'queued')
        FOR UPDATE;
     IF NOT FOUND THEN
         RETURN false;
     END IF;
-
     UPDATE pglane.attempts a
        SET status = 'done', finished_at = now(),
-           error = CASE WHEN a.status = 'lost'
-                        THEN 'late result accepted after recovery had marked this attempt lost: ' || a.error
-                   END
-     WHERE a.id = p_attempt_id AND a.attempt_number = v_job.attempts
-       AND ((a.status = 'running' AND v_job.status = 'running')
-            OR (a.status = 'lost' AND v_job.status IN ('failed', 'queued')));
+           error = 'late result accepted after recovery had marked this attempt lost: ' || a.error
+     WHERE a.id = p_attempt_id AND a.status = 'lost';
     IF NOT FOUND THEN
         RETURN false;
     END IF;
-
-    UPDATE pglane.jobs j
-       SET status = 'done', finished_at = now(), result = p_result
-     WHERE j.id = v_job.id;
-    IF v_job.status = 'queued' THEN
-        PERFORM pglane.queue_delta(v_job.lane, -1);
+    UPDATE pglane.jobs j SET status = 'done', finished_at = now(), result = p_result WHERE j.id = v_job;
+    IF v_late.status = 'queued' THEN
+        PERFORM pglane.queue_delta(v_late.lane, -1);
     END IF;
     RETURN true;
 END $$;
