@@ -53,6 +53,7 @@ class LockSession:
         self.slots = slots
         self.slot: int | None = None  # the slot this session holds; only the take and release methods change it
         self.channel = f"pglane_{lane_id}"
+        self._waiting: asyncio.Future[bool] | None = None  # the wait interrupt() ends; set by _readable only
 
     @classmethod
     def connect(cls, dsn: str, lane_id: int, slots: int, name: str) -> LockSession:
@@ -104,23 +105,31 @@ class LockSession:
         return sum(1 for _ in self.conn.notifies(timeout=0)) > 0
 
     async def _readable(self, timeout: float | None = None) -> bool:
-        """Wait until the socket has something to read (a NOTIFY, an error, EOF); False on timeout."""
+        """Wait until the socket has something to read (a NOTIFY, an error, EOF); False on timeout
+        or interrupt(). One future, one reader and one timer: this is the wake-up path."""
         loop = asyncio.get_running_loop()
-        ready: asyncio.Future[None] = loop.create_future()
-        fd = self.conn.fileno()
+        ready: asyncio.Future[bool] = loop.create_future()
 
-        def on_readable() -> None:
+        def settle(value: bool) -> None:
             if not ready.done():
-                ready.set_result(None)
+                ready.set_result(value)
 
-        loop.add_reader(fd, on_readable)
+        fd = self.conn.fileno()
+        loop.add_reader(fd, settle, True)
+        timer = loop.call_later(timeout, settle, False) if timeout is not None else None
+        self._waiting = ready
         try:
-            await asyncio.wait_for(ready, timeout)
-            return True
-        except TimeoutError:
-            return False
+            return await ready
         finally:
+            self._waiting = None
             loop.remove_reader(fd)
+            if timer is not None:
+                timer.cancel()
+
+    def interrupt(self) -> None:
+        """End the current wait for a wake-up at once (a stop was requested)."""
+        if self._waiting is not None and not self._waiting.done():
+            self._waiting.set_result(False)
 
     async def wait_for_wake(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for a NOTIFY on the lane; True if one came."""

@@ -126,6 +126,7 @@ class Worker:
         self._next_recover = 0.0
         self._watchdog = Watchdog(dsn)
         self._metrics: Metrics | None = None
+        self._session: LockSession | None = None  # the session waiting idle, for stop() to interrupt
 
     # ----- life cycle -----------------------------------------------------------------------
 
@@ -137,6 +138,8 @@ class Worker:
         if not self._stopping.is_set():
             log.info("%s: finishing the current job, then releasing the slot and exiting", reason)
             self._stopping.set()
+            if self._session is not None:
+                self._session.interrupt()
 
     async def main(self) -> int:
         loop = asyncio.get_running_loop()
@@ -274,15 +277,12 @@ class Worker:
         timeout = min(self.options.poll_interval, max(0.0, self._next_recover - loop.time()))
         if self.options.max_lifetime is not None:
             timeout = min(timeout, max(0.0, self._started + self.options.max_lifetime - loop.time()))
-        wake = asyncio.ensure_future(session.wait_for_wake(timeout))
-        stop = asyncio.ensure_future(self._stopping.wait())
-        await asyncio.wait((wake, stop), return_when=asyncio.FIRST_COMPLETED)
-        stop.cancel()
-        if not wake.done():
-            wake.cancel()
-        results = await asyncio.gather(wake, stop, return_exceptions=True)
-        if isinstance(results[0], psycopg.OperationalError):
-            raise results[0]
+        if not self._stopping.is_set():
+            self._session = session
+            try:
+                await session.wait_for_wake(timeout)
+            finally:
+                self._session = None
 
     # ----- claim, call, write ---------------------------------------------------------------
 
