@@ -302,8 +302,7 @@ class Worker:
     async def _call(self, session: LockSession, job: Job, lane: Lane) -> Outcome:
         started = time.monotonic()
         self._watchdog.arm(job.attempt_id, started + self._hard_timeout)
-        future, cancel = self.runner.start(job)
-        await asyncio.sleep(0)  # an async handler that needs no I/O is done after its first step
+        future, cancel = self.runner.start(job)  # an async handler that never suspends is done already
         if future.done():
             outcome: Outcome | None = handlers.outcome_of(future)
         else:
