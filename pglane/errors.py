@@ -102,6 +102,7 @@ CONSTRAINT_HINTS: dict[str, str] = {
     "lane_max_attempts_range": "max_attempts must be between 1 and 100",
     "lane_max_queued_range": "max_queued must be at least 1 (or unset for an unbounded lane)",
     "lane_job_timeout_range": "job_timeout must be between 1 second and 7 days",
+    "lane_lease_timeout_range": "lease_timeout must be at most 8 days",
     "lane_waiting_grace_range": "waiting_grace must be between 0 and 1 hour",
     "lane_max_payload_range": "max_payload_bytes must be between 1 byte and 64 MiB",
     "lane_retry_backoff_range": "retry_backoff must be between 0 and 1 hour",

@@ -264,6 +264,23 @@ def test_a_lease_not_longer_than_the_job_timeout_is_refused(conn: Any, job_timeo
         conn.execute("UPDATE pglane.lanes SET lease_timeout = make_interval(secs => %s)", (lease_timeout,))
 
 
+@pytest.mark.parametrize(
+    ("settings", "constraint"),
+    [({"slots": 0}, "lane_slots_range"), ({"slots": 1001}, "lane_slots_range"),
+     ({"max_attempts": 0}, "lane_max_attempts_range"), ({"max_attempts": 101}, "lane_max_attempts_range"),
+     ({"job_timeout": 0.5}, "lane_job_timeout_range"), ({"job_timeout": 8 * 86400}, "lane_job_timeout_range"),
+     ({"job_timeout": 60, "lease_timeout": 9 * 86400}, "lane_lease_timeout_range"),
+     ({"max_queued": 0}, "lane_max_queued_range"), ({"max_payload_bytes": 0}, "lane_max_payload_range"),
+     ({"waiting_grace": -1}, "lane_waiting_grace_range"), ({"retry_backoff": 7200}, "lane_retry_backoff_range")],
+)
+def test_lane_settings_out_of_range_are_refused_by_name_with_what_to_do(
+    conn: Any, settings: dict[str, Any], constraint: str
+) -> None:
+    with pytest.raises(pglane.InvalidLane, match=f"refused by {constraint}: "):
+        pglane.create_lane(conn, "odd", **{"job_timeout": 60, **settings})
+    assert conn.execute("SELECT count(*) AS n FROM pglane.lanes").fetchone()["n"] == 0
+
+
 @pytest.mark.parametrize("job_timeout", [1, 5, 90, 600, 3600, 86400])
 def test_every_lane_pglane_creates_by_default_has_a_lease_longer_than_its_job_timeout(
     conn: Any, job_timeout: int

@@ -49,6 +49,7 @@ CREATE TABLE pglane.lanes (
     CONSTRAINT lane_slots_range CHECK (slots BETWEEN 1 AND 1000),
     CONSTRAINT lane_job_timeout_range CHECK (job_timeout BETWEEN '1 second' AND '7 days'),
     CONSTRAINT lane_lease_exceeds_job_timeout CHECK (lease_timeout > job_timeout),
+    CONSTRAINT lane_lease_timeout_range CHECK (lease_timeout <= '8 days'),
     CONSTRAINT lane_max_attempts_range CHECK (max_attempts BETWEEN 1 AND 100),
     CONSTRAINT lane_max_queued_range CHECK (max_queued IS NULL OR max_queued >= 1),
     CONSTRAINT lane_waiting_grace_range CHECK (waiting_grace BETWEEN '0' AND '1 hour'),
