@@ -120,7 +120,6 @@ class Worker:
         self.jobs_run = 0
         self._stopping = asyncio.Event()
         self._pending: tuple[Job, Outcome] | None = None  # an outcome not yet written; see module doc
-        self._lane: Lane | None = None
         self._hard_timeout = 0.0
         self._started = 0.0
         self._next_recover = 0.0
@@ -148,7 +147,6 @@ class Worker:
                 loop.add_signal_handler(sig, self.stop, f"{signal.Signals(sig).name} received")
         self._started = loop.time()
         lane = self._load_lane()
-        self._lane = lane
         self._hard_timeout = self.options.timeout or timing.default_worker_timeout(
             lane.job_timeout, lane.lease_timeout)
         rules = timing.Timeouts(job=lane.job_timeout, lease=lane.lease_timeout, worker=self._hard_timeout)
@@ -161,6 +159,7 @@ class Worker:
             refresher = asyncio.ensure_future(self._metrics.refresh_forever(self.dsn))
         log.info("worker %s for lane %s (%s slot(s), job timeout %gs, hard timeout %gs, lease %gs)",
                  self.name, lane.name, lane.slots, lane.job_timeout, self._hard_timeout, lane.lease_timeout)
+        failures, jobs_then = 0, 0  # sessions ended by a database error with no job done in between
         try:
             while not self._done() or self._pending is not None:
                 try:
@@ -169,6 +168,11 @@ class Worker:
                     log.warning("lost the slot session (%s); reconnecting", _first_line(exc))
                 except RetryError:
                     break  # asked to stop while the database was unreachable
+                except psycopg.Error as exc:  # the database refused something: back off, never spin
+                    failures, jobs_then = (1 if self.jobs_run > jobs_then else failures + 1), self.jobs_run
+                    delay = min(5.0, 0.1 * 2**failures)
+                    log.error("database error (%s); reconnecting in %.1fs", _first_line(exc), delay)
+                    await asyncio.sleep(delay)
         finally:
             self.runner.shutdown()
             if refresher is not None:

@@ -224,3 +224,14 @@ def test_the_lock_connection_carries_keepalives(dsn: str, conn: Any, lane: str) 
     finally:
         session.release()
     assert {k: got.get(k) for k in KEEPALIVES} == {k: str(v) for k, v in KEEPALIVES.items()}
+
+
+def test_a_database_error_makes_the_worker_back_off_and_go_on_not_die(conn: Any, lane: str, workers: Workers) -> None:
+    proc = workers.start(lane, "tests.handlers:paid_call", "--poll-interval", "0.2")
+    wait_idle(conn, lane)
+    conn.execute("ALTER FUNCTION pglane.claim(text, text) RENAME TO claim_away")
+    wait_until(lambda: "database error" in Workers.log(proc), 20, "the worker to meet the error")
+    conn.execute("ALTER FUNCTION pglane.claim_away(text, text) RENAME TO claim")
+    job = pglane.enqueue(conn, lane, {})
+    wait_until(lambda: status(conn, job) == "done", 30, "the worker to go on")
+    assert proc.poll() is None
