@@ -4,27 +4,6 @@
 -- attempt happens while its job's row is locked, so a statement that runs after taking that lock
 -- reads the attempt's latest committed state (READ COMMITTED takes a new snapshot per statement).
 
--- holds_slot: the slot of lane p_lane_id that the calling session holds at session level, or NULL.
--- Exact and local, without reading pg_locks: the transaction-level try-lock pins the slot (it succeeds
--- only if the slot is free or ours), the session-level unlock then says whether we held it at
--- session level, and the re-lock gives it back while the pin keeps every waiting standby out.
--- A transaction-level or shared lock is not a slot. If the statement is cancelled between unlock
--- and re-lock, the session has lost its slot and every later claim is refused: it fails safe.
-CREATE OR REPLACE FUNCTION pglane.holds_slot(p_lane_id integer, p_slots integer) RETURNS integer
-LANGUAGE plpgsql AS $$
-BEGIN
-    FOR s IN 1 .. p_slots LOOP
-        IF pg_try_advisory_xact_lock(p_lane_id, s) THEN
-            IF pg_advisory_unlock(p_lane_id, s) THEN
-                PERFORM pg_advisory_lock(p_lane_id, s);
-                RETURN s;
-            END IF;
-        END IF;
-    END LOOP;
-    RETURN NULL;
-END $$;
-
-
 -- claim_impl, complete_impl: the bodies of claim() and complete(), shared with complete_and_claim()
 -- so that the worker's fast path switches its search_path once per job, not three times. They run
 -- only inside those SECURITY DEFINER functions: EXECUTE on them is granted to nobody. claim_impl
@@ -37,6 +16,7 @@ LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 DECLARE
     v_lane    pglane.lanes;
+    v_slot    integer;
     v_job     bigint;
     v_seq     bigint;
     v_number  integer;
@@ -50,7 +30,22 @@ BEGIN
         RAISE EXCEPTION USING ERRCODE = 'PGL01', MESSAGE = format('unknown lane %L', p_lane),
             HINT = 'create it first: pglane lane create NAME';
     END IF;
-    IF pglane.holds_slot(v_lane.id, v_lane.slots) IS NULL THEN
+    -- The slot check, exact and local, without reading pg_locks: the transaction-level try-lock pins
+    -- the slot (it succeeds only if the slot is free or ours), the session-level unlock then says
+    -- whether we held it at session level, and the re-lock gives it back while the pin keeps every
+    -- waiting standby out. A transaction-level or shared lock is not a slot. If the statement is
+    -- cancelled between unlock and re-lock, the session has lost its slot and every later claim is
+    -- refused: it fails safe. (Nested IFs: SQL does not promise to evaluate AND left to right.)
+    FOR s IN 1 .. v_lane.slots LOOP
+        IF pg_try_advisory_xact_lock(v_lane.id, s) THEN
+            IF pg_advisory_unlock(v_lane.id, s) THEN
+                PERFORM pg_advisory_lock(v_lane.id, s);
+                v_slot := s;
+                EXIT;
+            END IF;
+        END IF;
+    END LOOP;
+    IF v_slot IS NULL THEN
         RAISE EXCEPTION USING ERRCODE = 'PGL06',
             MESSAGE = format('this session holds no slot of lane %L, so it may not claim', p_lane),
             HINT = 'take a slot first with pg_advisory_lock(lane id, slot number), as pglane worker does';
@@ -111,26 +106,26 @@ DECLARE
     v_number integer;
     v_late   record;
 BEGIN
-    -- An attempt's job_id and attempt_number never change: reading them needs no lock.
-    SELECT a.job_id, a.attempt_number INTO v_job, v_number FROM pglane.attempts a WHERE a.id = p_attempt_id;
-    IF NOT FOUND THEN
-        RETURN false;
-    END IF;
-
     -- The usual case: the job is running and this is its latest attempt. The UPDATE takes the job's
-    -- row lock and, had it to wait, re-checks the guard on the newest row version. A running job's
-    -- latest attempt is running (every transition of that attempt moves the job too).
+    -- row lock and, had it to wait, re-checks the guard on the newest row version (the attempt's
+    -- job_id and attempt_number never change). A running job's latest attempt is running (every
+    -- transition of that attempt moves the job too).
     UPDATE pglane.jobs j SET status = 'done', finished_at = now(), result = p_result
-     WHERE j.id = v_job AND j.status = 'running' AND j.attempts = v_number;
+      FROM pglane.attempts a
+     WHERE a.id = p_attempt_id AND j.id = a.job_id AND j.status = 'running' AND j.attempts = a.attempt_number;
     IF FOUND THEN
         UPDATE pglane.attempts a SET status = 'done', finished_at = now()
          WHERE a.id = p_attempt_id AND a.status = 'running';
         IF NOT FOUND THEN
-            RAISE EXCEPTION 'pglane invariant broken: running job % has a finished latest attempt %', v_job, p_attempt_id;
+            RAISE EXCEPTION 'pglane invariant broken: a running job''s latest attempt % is finished', p_attempt_id;
         END IF;
         RETURN true;
     END IF;
 
+    SELECT a.job_id, a.attempt_number INTO v_job, v_number FROM pglane.attempts a WHERE a.id = p_attempt_id;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
     -- A late result: accepted from an attempt that recovery marked lost, while it is still the job's
     -- latest and the job is failed or back in the queue (the paid output is kept).
     SELECT j.status, j.lane INTO v_late FROM pglane.jobs j
