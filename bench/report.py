@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,20 @@ def _throughput(results: dict[str, Any], name: str) -> float | None:
     return None if entry is None else float(entry["median"])
 
 
+def _paired(results: dict[str, Any], a: str, b: str | list[str]) -> float | None:
+    """Throughput of ``a`` over ``b`` (or the best of several), as the median of the ratios taken within
+    each repetition: the runs of one repetition ran back to back, so they share the machine's state
+    (slow drifts of the disk's fsync time cancel out). Falls back to the ratio of the medians."""
+    runs_a = results.get(a, {}).get("throughput_jobs_per_s", {}).get("runs")
+    names = [b] if isinstance(b, str) else b
+    runs_b = [results.get(n, {}).get("throughput_jobs_per_s", {}).get("runs") for n in names]
+    runs_b = [r for r in runs_b if r]
+    if runs_a and runs_b and all(len(r) == len(runs_a) for r in runs_b):
+        return float(statistics.median(x / max(r[i] for r in runs_b) for i, x in enumerate(runs_a)))
+    best = [t for t in (_throughput(results, n) for n in names) if t is not None]
+    return _div(_throughput(results, a), max(best) if best else None)
+
+
 def ratios(doc: dict[str, Any]) -> dict[str, float | None]:
     results = doc["results"]
     peers = [t for t in (_throughput(results, p) for p in PEERS) if t is not None]
@@ -46,10 +61,9 @@ def ratios(doc: dict[str, Any]) -> dict[str, float | None]:
         return None if value is None else float(value)
 
     return {
-        "pglane/floor_contract": _div(_throughput(results, "pglane"), _throughput(results, "floor_contract")),
-        "floor_contract/floor_one_commit": _div(_throughput(results, "floor_contract"),
-                                                _throughput(results, "floor_one_commit")),
-        "pglane/best_peer": _div(_throughput(results, "pglane"), max(peers) if peers else None),
+        "pglane/floor_contract": _paired(results, "pglane", "floor_contract"),
+        "floor_contract/floor_one_commit": _paired(results, "floor_contract", "floor_one_commit"),
+        "pglane/best_peer": _paired(results, "pglane", list(PEERS)) if peers else None,
         "wake_p99 pglane/floor_listen": _div(results.get("pglane", {}).get("wake_p99_ms"),
                                              results.get("floor_listen", {}).get("wake_p99_ms")),
         "claim_p50 max_backlog/1k": _div(deepest["p50_ms"] if deepest else None, base["p50_ms"] if base else None),
