@@ -14,10 +14,9 @@ lock held, and stops when the call that completes the last job returns.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -26,7 +25,7 @@ from psycopg.rows import dict_row
 
 from . import procs
 from .pglane_runs import FLOOR_LANE, load_queued, truncate
-from .real import Put, RealSystem, measure_cost, per_job
+from .real import Put, RealSystem, measure_cost, per_job, sql_producer
 from .server import BenchServer
 
 SCHEMA = """
@@ -186,15 +185,7 @@ class FloorListen(RealSystem):
             return time.time()
 
     def producer(self, dsn: str) -> AbstractAsyncContextManager[Put]:
-        @contextlib.asynccontextmanager
-        async def context() -> AsyncIterator[Put]:
-            async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-                async def put(n: int) -> None:
-                    await conn.execute("INSERT INTO floor_jobs (payload) VALUES (%s::jsonb)", (f'{{"n": {n}}}',))
-
-                yield put
-
-        return context()
+        return sql_producer(dsn, "INSERT INTO floor_jobs (payload) VALUES (%s::jsonb)", lambda n: (f'{{"n": {n}}}',))
 
 
 def listen_main(dsn: str) -> int:

@@ -6,11 +6,10 @@ All of it runs in database bench_pglane, migrated with pglane.schema.upgrade, on
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import statistics
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ import psycopg
 from pglane import client, schema
 
 from . import procs
-from .real import Put, RealSystem
+from .real import Put, RealSystem, sql_producer
 from .server import quiesce
 from .stats import latency_ms, progress, rotations, summary, wait_until
 
@@ -96,15 +95,7 @@ class Pglane(RealSystem):
             return time.time()
 
     def producer(self, dsn: str) -> AbstractAsyncContextManager[Put]:
-        @contextlib.asynccontextmanager
-        async def context() -> AsyncIterator[Put]:
-            async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-                async def put(n: int) -> None:
-                    await conn.execute("SELECT pglane.enqueue(%s, %s::jsonb)", (LANE, f'{{"n": {n}}}'))
-
-                yield put
-
-        return context()
+        return sql_producer(dsn, "SELECT pglane.enqueue(%s, %s::jsonb)", lambda n: (LANE, f'{{"n": {n}}}'))
 
 
 # ----- claim latency ---------------------------------------------------------------------------

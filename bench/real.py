@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, LiteralString
 
 import psycopg
 
@@ -44,6 +45,20 @@ from .server import BenchServer, quiesce
 from .stats import BenchTimeout, progress, wait_until
 
 Put = Callable[[int], Awaitable[None]]
+
+
+def sql_producer(dsn: str, statement: LiteralString, params: Callable[[int], tuple[Any, ...]]
+                 ) -> AbstractAsyncContextManager[Put]:
+    """A producer that enqueues job n with one autocommitted ``statement`` on its own connection."""
+    @contextlib.asynccontextmanager
+    async def context() -> AsyncIterator[Put]:
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+            async def put(n: int) -> None:
+                await conn.execute(statement, params(n))
+
+            yield put
+
+    return context()
 WAKE_WARMUP = 3
 
 
