@@ -90,7 +90,7 @@ class Runner:
         if self.is_async:
             return _start_eagerly(self.handler(job))
         assert self._thread is not None
-        return asyncio.wrap_future(self._thread.submit(self.handler, job)), lambda: None
+        return asyncio.wrap_future(self._thread.submit(self.handler, job)), _nothing
 
     def shutdown(self) -> None:
         if self._thread is not None:
