@@ -70,8 +70,9 @@ def truncate(conn: psycopg.Connection[Any]) -> None:
 class Pglane(RealSystem):
     name = "pglane"
     db = "pglane"
-    remaining_sql = ("SELECT count(*) FROM (SELECT 1 FROM pglane.jobs"
-                     f" WHERE lane = '{LANE}' AND status IN ('queued', 'running') LIMIT 1) s")
+    remaining_sql = (f"SELECT count(*) FROM (SELECT 1 FROM pglane.jobs WHERE lane = '{LANE}' AND in_queue"
+                     " UNION ALL SELECT 1 FROM pglane.attempts a JOIN pglane.jobs j ON j.id = a.job_id"
+                     f" WHERE a.status = 'running' AND j.lane = '{LANE}' LIMIT 1) s")
     finished_sql = f"SELECT extract(epoch FROM max(finished_at))::float8 FROM pglane.jobs WHERE lane = '{LANE}'"
 
     def setup(self, dsn: str) -> None:

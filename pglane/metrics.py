@@ -1,8 +1,8 @@
 """Prometheus metrics of one worker process (optional: ``pip install 'pglane[metrics]'``).
 
 Owns the worker's metric objects and the HTTP endpoint that serves them. Counters count what this
-process did; the queue gauges are read from the database (the queue index, so the cost does not grow
-with history) every ``refresh`` seconds on a connection of their own, never the slot session.
+process did; the queue gauges are read from the database (the queue and running-attempt indexes, so the cost
+does not grow with history) every ``refresh`` seconds on a connection of their own, never the slot session.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ log = logging.getLogger("pglane.worker")
 
 QUEUE: LiteralString = (
     "SELECT count(*) AS queued, coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest,"
-    " (SELECT count(*) FROM pglane.jobs r WHERE r.lane = %(lane)s AND r.status = 'running') AS running"
-    " FROM pglane.jobs WHERE lane = %(lane)s AND status = 'queued'"
+    " (SELECT count(*) FROM pglane.attempts a JOIN pglane.jobs r ON r.id = a.job_id"
+    "   WHERE a.status = 'running' AND r.lane = %(lane)s) AS running"
+    " FROM pglane.jobs WHERE lane = %(lane)s AND in_queue"
 )
 
 

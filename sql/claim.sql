@@ -53,7 +53,7 @@ BEGIN
 
     SELECT j.id INTO v_job
       FROM pglane.jobs j
-     WHERE j.lane = p_lane AND j.status = 'queued' AND j.run_after <= now()
+     WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()
      ORDER BY j.created_at, j.id
      LIMIT 1
        FOR UPDATE SKIP LOCKED;

@@ -30,7 +30,7 @@ BEGIN
     END IF;
     IF OLD.max_queued IS NULL AND NEW.max_queued IS NOT NULL THEN
         UPDATE pglane.lane_counters c
-           SET queued = (SELECT count(*) FROM pglane.jobs j WHERE j.lane = NEW.name AND j.status = 'queued')
+           SET queued = (SELECT count(*) FROM pglane.jobs j WHERE j.lane = NEW.name AND j.in_queue)
          WHERE c.lane_id = NEW.id;
     END IF;
     RETURN NEW;

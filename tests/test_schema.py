@@ -68,9 +68,64 @@ def test_the_claim_uses_the_queue_index_whatever_the_history(conn: Any, lane: st
     conn.execute("UPDATE pglane.jobs SET status = 'done' WHERE id <= 1990")
     conn.execute("ANALYZE pglane.jobs")
     plan = "\n".join(r["QUERY PLAN"] for r in conn.execute(
-        "EXPLAIN SELECT id FROM pglane.jobs WHERE lane = 'brain' AND status = 'queued' AND run_after <= now()"
+        "EXPLAIN SELECT id FROM pglane.jobs WHERE lane = 'brain' AND in_queue AND run_after <= now()"
         " ORDER BY created_at, id LIMIT 1 FOR UPDATE SKIP LOCKED"))
     assert "jobs_queue" in plan
+
+
+def index_predicates(conn: Any, table: str) -> dict[str, str | None]:
+    return {r["name"]: r["predicate"] for r in conn.execute(
+        "SELECT c.relname AS name, pg_get_expr(i.indpred, i.indrelid) AS predicate FROM pg_index i"
+        " JOIN pg_class c ON c.oid = i.indexrelid WHERE i.indrelid = %s::regclass", (table,))}
+
+
+def claim_one(conn: Any, lane: str) -> dict[str, Any]:
+    lane_id = conn.execute("SELECT id FROM pglane.lanes WHERE name = %s", (lane,)).fetchone()["id"]
+    conn.execute("SELECT pg_advisory_lock(%s, 1)", (lane_id,))
+    row: dict[str, Any] = conn.execute("SELECT * FROM pglane.claim(%s, 'test')", (lane,)).fetchone()
+    assert row is not None
+    return row
+
+
+def test_completing_a_job_writes_no_new_job_index_entries(conn: Any, lane: str) -> None:
+    # A HOT update: completion changes no column any index of pglane.jobs uses (key or predicate).
+    pglane.enqueue(conn, lane, {})
+    attempt = claim_one(conn, lane)["attempt_id"]
+    # The backend's not yet flushed counters (they may still hold the claim's update): compare.
+    counters = ("SELECT pg_stat_get_xact_tuples_updated('pglane.jobs'::regclass) AS updated,"
+                " pg_stat_get_xact_tuples_hot_updated('pglane.jobs'::regclass) AS hot")
+    with conn.transaction():
+        before = conn.execute(counters).fetchone()
+        assert conn.execute("SELECT pglane.complete(%s, '{}') AS ok", (attempt,)).fetchone()["ok"]
+        after = conn.execute(counters).fetchone()
+    assert (after["updated"] - before["updated"], after["hot"] - before["hot"]) == (1, 1)
+
+
+def test_recovery_finds_running_attempts_through_an_index_whatever_the_history(conn: Any, lane: str) -> None:
+    conn.execute("INSERT INTO pglane.jobs (lane, payload) SELECT 'brain', '{}' FROM generate_series(1, 2000)")
+    conn.execute("UPDATE pglane.jobs SET status = 'done', attempts = 1 WHERE id <= 1999")
+    conn.execute("INSERT INTO pglane.attempts (job_id, attempt_number, status, worker, backend_pid, backend_start,"
+                 " finished_at, lease_expires_at, seq) SELECT id, 1, 'done', 'w', 1, now(), now(), now(), id"
+                 " FROM pglane.jobs WHERE id <= 1999")
+    claim_one(conn, lane)
+    conn.execute("ANALYZE pglane.jobs; ANALYZE pglane.attempts")
+    plan = "\n".join(r["QUERY PLAN"] for r in conn.execute("EXPLAIN SELECT * FROM pglane.running_attempts"))
+    assert "attempts_running" in plan and "Seq Scan on attempts" not in plan
+    assert [r["job_id"] for r in conn.execute("SELECT job_id FROM pglane.running_attempts")] == [2000]
+
+
+def test_downgrade_to_0002_restores_its_indexes_and_a_working_claim(dsn: str, conn: Any, lane: str) -> None:
+    job = pglane.enqueue(conn, lane, {})
+    schema.downgrade(dsn, "0002")
+    assert index_predicates(conn, "pglane.jobs")["jobs_queue"] == "((status)::text = 'queued'::text)"
+    assert "attempts_running" not in index_predicates(conn, "pglane.attempts")
+    claimed = claim_one(conn, lane)
+    assert claimed["job_id"] == job
+    assert conn.execute("SELECT pglane.complete(%s, '{}') AS ok", (claimed["attempt_id"],)).fetchone()["ok"]
+    schema.upgrade(dsn)
+    assert index_predicates(conn, "pglane.jobs")["jobs_queue"] == "in_queue"
+    second = pglane.enqueue(conn, lane, {})
+    assert claim_one(conn, lane)["job_id"] == second
 
 
 @pytest.mark.timeout(600)
