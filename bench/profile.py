@@ -10,7 +10,9 @@ Not part of ``python -m bench``. On its own embedded server (or PGLANE_DSN) it m
 4. HOT updates per table (pg_stat_user_tables) after the drains;
 5. wake latency: floor_listen (bare), the same LISTEN loop on pglane's SQL, the real worker;
 6. the plan the claim's job lookup gets (auto_explain, nested) on a small all-queued table and
-   behind history.
+   behind history;
+7. the claim on an idle backend (spaced like the wake-latency jobs) against floor_listen's statement:
+   the part of the wake-latency gap that is server work.
 Prints one plain-text report.
 """
 
@@ -235,6 +237,56 @@ def _claim_plans(dsn: str) -> list[str]:
     return lines
 
 
+COLD_GAP_S = 0.03  # the wake-latency protocol's spacing: the server backend sleeps between jobs
+
+
+def _cold_claims(server: Any, count: int) -> list[str]:
+    """What a wake-up pays on the server: claims spaced like the wake-latency jobs (the backend idle
+    and its caches cold in between), against floor_listen's statement spaced alike, interleaved.
+    Client-side round trip (commit included), and pg_stat_statements with track=all on the two timed
+    sessions only (producers and completions run on other sessions, at the server's track=top)."""
+    pg_dsn, floor_dsn = server.dsn("pglane"), server.dsn("floor")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        truncate(conn)
+    with psycopg.connect(floor_dsn, autocommit=True) as conn:
+        conn.execute("TRUNCATE floor_jobs")
+    with (psycopg.connect(server.admin_dsn, autocommit=True) as admin,
+          psycopg.connect(pg_dsn, autocommit=True, row_factory=dict_row) as claimer,
+          psycopg.connect(floor_dsn, autocommit=True) as floor,
+          psycopg.connect(pg_dsn, autocommit=True) as pg_other,
+          psycopg.connect(floor_dsn, autocommit=True) as floor_other):
+        claimer.execute("SELECT pg_advisory_lock(%s, 1)", (lane_id_dict(claimer, LANE),))
+        for c in (claimer, floor):
+            c.execute("SET pg_stat_statements.track = 'all'")
+        admin.execute("SELECT pg_stat_statements_reset()")
+        times: dict[str, list[float]] = {"pglane.claim()": [], "floor_listen's statement": []}
+        for _ in range(count):
+            pg_other.execute("INSERT INTO pglane.jobs (lane) VALUES (%s)", (LANE,))
+            floor_other.execute("INSERT INTO floor_jobs DEFAULT VALUES")
+            time.sleep(COLD_GAP_S)
+            started = time.perf_counter()
+            job = claimer.execute(floors.CONTRACT_CLAIM, (LANE, "cold")).fetchone()
+            times["pglane.claim()"].append(time.perf_counter() - started)
+            time.sleep(COLD_GAP_S)
+            started = time.perf_counter()
+            row = floor.execute(floors.COMPLETE_AND_CLAIM, {"prev": None}).fetchone()
+            times["floor_listen's statement"].append(time.perf_counter() - started)
+            assert job is not None and row is not None
+            pg_other.execute("SELECT pglane.complete(%s)", (job["attempt_id"],))
+            floor_other.execute(floors.COMPLETE, {"prev": row[0]})
+        rows = admin.execute(
+            "SELECT mean_exec_time, toplevel, regexp_replace(query, '\\s+', ' ', 'g') FROM pg_stat_statements"
+            " WHERE calls >= %s AND (NOT toplevel OR query LIKE '%%pglane.claim(%%' OR query LIKE 'WITH done AS%%')"
+            " ORDER BY mean_exec_time DESC LIMIT 10", (count,)).fetchall()
+    lines = []
+    for name, values in times.items():
+        stats = latency_ms(values)
+        lines.append(f"  {name:<26} client p50 {stats['p50_ms']:.3f}  p99 {stats['p99_ms']:.3f} ms")
+    lines.append("  mean µs/call  top  statement (server side, cold)")
+    lines += [f"  {mean * 1000:12.1f}  {'yes' if top else ' no'}  {query[:130]}" for mean, top, query in rows]
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.profile")
     parser.add_argument("--jobs", type=int, default=3000)
@@ -296,6 +348,10 @@ def main(argv: list[str] | None = None) -> int:
         progress("profile: claim plans")
         out.append("6. plan of the claim's job lookup (auto_explain, nested, after 8 claims)")
         out += _claim_plans(dsn)
+        progress("profile: cold claims")
+        out.append(f"7. the claim on an idle backend, {args.wake_jobs} claims {COLD_GAP_S * 1000:.0f} ms apart"
+                   " (what a wake-up pays), against floor_listen's statement")
+        out += _cold_claims(server, args.wake_jobs)
     progress_done()
     print("\n".join(out))
     return 0
