@@ -258,6 +258,24 @@ def test_prune_removes_old_finished_jobs_but_keeps_failures_unless_asked(session
     assert pglane.enqueue(conn, lane, {}, key="a") not in (done, failed)  # a pruned key is forgotten
 
 
+def test_the_queue_gauges_count_this_lanes_queued_and_running_jobs_only(conn: Any, lane: str) -> None:
+    from pglane.metrics import QUEUE
+    from tests.test_claim import claim, take_slot
+
+    pglane.create_lane(conn, "other", job_timeout=20)
+    for name in (lane, "other"):
+        for _ in range(3):
+            pglane.enqueue(conn, name, {})
+        take_slot(conn, name)
+        assert claim(conn, name) is not None
+    done = claim(conn, lane)
+    assert done is not None and conn.execute("SELECT pglane.complete(%s)", (done["attempt_id"],)).fetchone()
+    row = conn.execute(QUEUE, {"lane": lane}).fetchone()
+    # brain: 3 enqueued, 2 claimed, the second completed; other: 2 queued, 1 running (not counted here)
+    assert (row["queued"], row["running"]) == (1, 1)
+    assert row["oldest"] >= 0
+
+
 def test_the_metrics_endpoint_is_scraped_over_http(conn: Any, lane: str, workers: Workers) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -15,6 +15,7 @@ import pytest
 
 import pglane
 from pglane import schema
+from tests.test_claim import claim, take_slot
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,9 +81,8 @@ def index_predicates(conn: Any, table: str) -> dict[str, str | None]:
 
 
 def claim_one(conn: Any, lane: str) -> dict[str, Any]:
-    lane_id = conn.execute("SELECT id FROM pglane.lanes WHERE name = %s", (lane,)).fetchone()["id"]
-    conn.execute("SELECT pg_advisory_lock(%s, 1)", (lane_id,))
-    row: dict[str, Any] = conn.execute("SELECT * FROM pglane.claim(%s, 'test')", (lane,)).fetchone()
+    take_slot(conn, lane)
+    row = claim(conn, lane)
     assert row is not None
     return row
 

@@ -67,4 +67,7 @@ def downgrade() -> None:
         """
     )
     for name in USES_IN_QUEUE:
-        op.execute(sql_text(name).replace(IN_QUEUE, BEFORE_0003))
+        text = sql_text(name)
+        if IN_QUEUE not in text:  # sql/ changed since: this downgrade no longer knows the 0002 text
+            raise RuntimeError(f"sql/{name} no longer names {IN_QUEUE}; revision 0003's downgrade needs updating")
+        op.execute(text.replace(IN_QUEUE, BEFORE_0003))
