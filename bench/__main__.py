@@ -63,9 +63,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     shutil.rmtree(logs, ignore_errors=True)
     logs.mkdir(parents=True)
     started = time.monotonic()
-    pglane, peers, listen = Pglane(), [Procrastinate(), Pgqueuer()], floors.FloorListen()
+    pglane, peers = Pglane(), [Procrastinate(), Pgqueuer()]
+    listeners = [floors.FloorListen(), floors.FloorListenContract()]
     consumers: dict[str, real.RealSystem] = {s.name: s for s in (pglane, *peers)}
-    results: dict[str, dict[str, Any]] = {name: {} for name in (*THROUGHPUT_ORDER, "floor_listen")}
+    results: dict[str, dict[str, Any]] = {name: {} for name in (*THROUGHPUT_ORDER, *(s.name for s in listeners))}
     doc: dict[str, Any] = {"mode": "quick" if args.quick else "full", "sizes": dataclasses.asdict(sizes),
                            "results": results, "errors": {}, "machine": {"loadavg_start": os.getloadavg()}}
 
@@ -103,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results[name]["throughput_jobs_per_s"] = summary(values)
 
         def wake() -> None:
-            systems = {s.name: s for s in (pglane, *peers, listen)}
+            systems = {s.name: s for s in (pglane, *peers, *listeners)}
             samples: dict[str, list[float]] = {name: [] for name in systems}
             chunk = max(1, sizes.wake_jobs // WAKE_CHUNKS)
             for rep, name in rotations(list(systems), WAKE_CHUNKS):
@@ -146,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     doc["ratios"] = report.ratios(doc)
     doc["targets"] = report.verdicts(doc["ratios"])
+    doc["wake_split"] = report.wake_split(doc)
     doc["elapsed_s"] = round(time.monotonic() - started, 1)
     doc["machine"]["loadavg_end"] = os.getloadavg()
     doc = _jsonable(doc)

@@ -7,6 +7,10 @@ floor_contract:    pglane's own SQL on pglane's schema, no worker: take the slot
   then pglane.complete_and_claim per job. What the worker could reach if Python cost nothing.
 floor_listen:      a bare LISTEN consumer process (``python -m bench.floors listen DSN``): wait for a
   NOTIFY, then drain with the one-commit statement; its handler stamps the start of each job.
+floor_listen_contract: the same bare loop on pglane's schema and SQL (``... listen-contract DSN``):
+  holding the slot lock, pglane.claim on a wake-up, pglane.complete_and_claim while jobs remain. The
+  wake-latency twin of floor_contract: between it and floor_listen is what pglane's claim costs over a
+  single UPDATE; between it and pglane is what the worker's Python costs.
 
 Every throughput loop starts with N preloaded jobs, a connected session and (floor_contract) the slot
 lock held, and stops when the call that completes the last job returns.
@@ -24,7 +28,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from . import procs
-from .pglane_runs import FLOOR_LANE, load_queued, truncate
+from .pglane_runs import FLOOR_LANE, LANE, Pglane, lane_id, load_queued, truncate
 from .real import Put, RealSystem, measure_cost, per_job, sql_producer
 from .server import BenchServer
 
@@ -208,7 +212,36 @@ def listen_main(dsn: str) -> int:
     return 0
 
 
+class FloorListenContract(Pglane):
+    """floor_listen's loop on pglane's schema and SQL, as a consumer process on pglane's bench lane."""
+
+    name = "floor_listen_contract"
+
+    def worker(self, dsn: str, handler: str, lane: str = LANE) -> tuple[list[str], dict[str, str]]:
+        return ["-m", "bench.floors", "listen-contract", dsn], {}
+
+
+def listen_contract_main(dsn: str) -> int:
+    """The floor_listen_contract consumer: hold slot 1 of the bench lane, LISTEN on the lane's channel,
+    claim on every wake-up and drain, stamp each job. Ends like listen_main."""
+    deadline = time.monotonic() + MAX_SECONDS
+    with psycopg.connect(dsn, autocommit=True) as plain:
+        lid = lane_id(plain, LANE)
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
+        conn.execute("SELECT pg_advisory_lock(%s, 1)", (lid,))
+        conn.execute(f"LISTEN pglane_{lid}")
+        while time.monotonic() < deadline:
+            job = conn.execute(CONTRACT_CLAIM, (LANE, "listen")).fetchone()
+            while job is not None and job["job_id"] is not None:
+                procs.stamp(int(job["payload"].get("n", -1)))
+                job = conn.execute(CONTRACT_NEXT, (job["attempt_id"], "null", LANE, "listen")).fetchone()
+            for _ in conn.notifies(timeout=1.0, stop_after=1):
+                pass
+    return 0
+
+
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "listen":
-        raise SystemExit(listen_main(sys.argv[2]))
-    raise SystemExit("usage: python -m bench.floors listen DSN")
+    consumers = {"listen": listen_main, "listen-contract": listen_contract_main}
+    if len(sys.argv) == 3 and sys.argv[1] in consumers:
+        raise SystemExit(consumers[sys.argv[1]](sys.argv[2]))
+    raise SystemExit("usage: python -m bench.floors listen|listen-contract DSN")

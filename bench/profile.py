@@ -23,7 +23,6 @@ import asyncio
 import os
 import pstats
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -71,15 +70,6 @@ def contract_async(dsn: str, n: int) -> float:
     return n / asyncio.run(_contract_async(dsn, n))
 
 
-class ListenContract(Pglane):
-    """floor_listen's loop, but on pglane's schema and SQL: a sync LISTEN consumer holding the slot."""
-
-    name = "listen_contract"
-
-    def worker(self, dsn: str, handler: str, lane: str = LANE) -> tuple[list[str], dict[str, str]]:
-        return ["-m", "bench.profile", "listen-contract", dsn], {}
-
-
 class Experiment(Pglane):
     """The real worker with BENCH_EXPERIMENT set (see bench.handlers)."""
 
@@ -89,24 +79,6 @@ class Experiment(Pglane):
     def worker(self, dsn: str, handler: str, lane: str = LANE) -> tuple[list[str], dict[str, str]]:
         args, env = super().worker(dsn, handler, lane)
         return args, {**env, "BENCH_EXPERIMENT": self.experiment}
-
-
-def listen_contract_main(dsn: str) -> int:
-    from .procs import stamp
-
-    deadline = time.monotonic() + floors.MAX_SECONDS
-    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
-        lid = lane_id_dict(conn, LANE)
-        conn.execute("SELECT pg_advisory_lock(%s, 1)", (lid,))
-        conn.execute(f"LISTEN pglane_{lid}")
-        while time.monotonic() < deadline:
-            job = conn.execute(floors.CONTRACT_CLAIM, (LANE, "listen")).fetchone()
-            while job is not None and job["job_id"] is not None:
-                stamp(int(job["payload"].get("n", -1)))
-                job = conn.execute(floors.CONTRACT_NEXT, (job["attempt_id"], "null", LANE, "listen")).fetchone()
-            for _ in conn.notifies(timeout=1.0, stop_after=1):
-                pass
-    return 0
 
 
 def lane_id_dict(conn: psycopg.Connection[Any], name: str) -> int:
@@ -341,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         out += _hot(server.dsn("floor"), ["public.floor_jobs"])
 
         out.append(f"5. wake latency over {args.wake_jobs} jobs (commit → handler start)")
-        for system in (floors.FloorListen(), ListenContract(), pglane):
+        for system in (floors.FloorListen(), floors.FloorListenContract(), pglane):
             stats = latency_ms(real.wake(server, system, args.wake_jobs, logs, f"profile wake: {system.name}"))
             out.append(f"  {system.name:<16} p50 {stats['p50_ms']:.2f}  p95 {stats['p95_ms']:.2f}"
                        f"  p99 {stats['p99_ms']:.2f} ms")
@@ -358,7 +330,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "listen-contract":
-        raise SystemExit(listen_contract_main(sys.argv[2]))
     raise SystemExit(main())
 

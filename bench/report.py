@@ -22,6 +22,15 @@ TARGETS: dict[str, tuple[str, str, float]] = {
 }
 
 
+# Where the wake-latency gap is (reported beside the targets, no bound): floor_listen_contract runs
+# pglane's SQL in floor_listen's bare loop, so it splits pglane/floor_listen into what the claim SQL
+# costs over one UPDATE and what the worker's Python costs over the SQL.
+WAKE_SPLIT = (("wake_p50 floor_listen_contract/floor_listen", "floor_listen_contract", "floor_listen", "wake_p50_ms"),
+              ("wake_p50 pglane/floor_listen_contract", "pglane", "floor_listen_contract", "wake_p50_ms"),
+              ("wake_p99 floor_listen_contract/floor_listen", "floor_listen_contract", "floor_listen", "wake_p99_ms"),
+              ("wake_p99 pglane/floor_listen_contract", "pglane", "floor_listen_contract", "wake_p99_ms"))
+
+
 def _div(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0 or math.isnan(a) or math.isnan(b):
         return None
@@ -72,6 +81,11 @@ def ratios(doc: dict[str, Any]) -> dict[str, float | None]:
         "enqueue_time bounded/unbounded": _div(rate("insert_unbounded_100k"), rate("insert_bounded_100k")),
         "takeover_s": doc.get("takeover_s", {}).get("median"),
     }
+
+
+def wake_split(doc: dict[str, Any]) -> dict[str, float | None]:
+    results = doc["results"]
+    return {name: _div(results.get(a, {}).get(key), results.get(b, {}).get(key)) for name, a, b, key in WAKE_SPLIT}
 
 
 def verdicts(values: dict[str, float | None]) -> dict[str, dict[str, Any]]:
@@ -138,6 +152,9 @@ def markdown(doc: dict[str, Any]) -> str:
                     {True: "met", False: "**missed**", None: "-"}[v["met"]]]
                    for name, v in doc.get("targets", {}).items()]
     parts.append(_table(["ratio", "value", "target", "of", "verdict"], target_rows))
+    split = doc.get("wake_split", {})
+    if any(v is not None for v in split.values()):
+        parts.append(_table(["where the wake latency goes", "ratio"], [[k, _f(v, 3)] for k, v in split.items()]))
     return "\n\n".join(parts) + "\n"
 
 
