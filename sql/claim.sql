@@ -163,7 +163,8 @@ $$;
 
 -- fail: record that attempt p_attempt_id failed (or timed out); true if it was accepted.
 -- Same guard as complete for a running attempt. The job goes back to the queue after the lane's
--- retry_backoff (doubling per attempt, capped at one hour) while attempts remain, else it is failed.
+-- retry_backoff (doubling per attempt, capped at one hour) while attempts remain, else it is failed;
+-- it is failed too when its bounded lane is full, with the reason and the command to run it later.
 CREATE OR REPLACE FUNCTION pglane.fail(p_attempt_id bigint, p_error text, p_timed_out boolean DEFAULT false)
 RETURNS boolean
 LANGUAGE plpgsql SECURITY DEFINER
@@ -172,6 +173,7 @@ AS $$
 DECLARE
     v_job  pglane.jobs;
     v_lane pglane.lanes;
+    v_full text;
 BEGIN
     SELECT j.* INTO v_job FROM pglane.jobs j
      WHERE j.id = (SELECT a.job_id FROM pglane.attempts a WHERE a.id = p_attempt_id)
@@ -190,16 +192,19 @@ BEGIN
 
     SELECT * INTO v_lane FROM pglane.lanes l WHERE l.name = v_job.lane;
     IF v_job.attempts < v_lane.max_attempts THEN
-        UPDATE pglane.jobs j
-           SET status = 'queued', last_error = p_error,
-               run_after = now() + least(v_lane.retry_backoff * 2 ^ (v_job.attempts - 1), interval '1 hour')
-         WHERE j.id = v_job.id;
-        PERFORM pglane.queue_delta(v_job.lane, 1);
-    ELSE
-        UPDATE pglane.jobs j
-           SET status = 'failed', finished_at = now(), last_error = p_error
-         WHERE j.id = v_job.id;
+        IF pglane.queue_admit(v_job.lane) THEN
+            UPDATE pglane.jobs j
+               SET status = 'queued', last_error = p_error,
+                   run_after = now() + least(v_lane.retry_backoff * 2 ^ (v_job.attempts - 1), interval '1 hour')
+             WHERE j.id = v_job.id;
+            RETURN true;
+        END IF;
+        v_full := format('; not re-queued: lane %s is full (max_queued %s); run it again when there is room: '
+                         'pglane retry %s', v_job.lane, v_lane.max_queued, v_job.id);
     END IF;
+    UPDATE pglane.jobs j
+       SET status = 'failed', finished_at = now(), last_error = p_error || coalesce(v_full, '')
+     WHERE j.id = v_job.id;
     RETURN true;
 END $$;
 

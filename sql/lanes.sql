@@ -40,13 +40,28 @@ DROP TRIGGER IF EXISTS lanes_before_update ON pglane.lanes;
 CREATE TRIGGER lanes_before_update BEFORE UPDATE ON pglane.lanes
     FOR EACH ROW EXECUTE FUNCTION pglane.lanes_before_update();
 
--- queue_delta: keep a bounded lane's queued counter right when a job enters or leaves the queue
--- other than by insert or claim (requeue, retry, cancel, a late result). Caller holds the job's row lock.
+-- queue_delta: keep a bounded lane's queued counter right when a job leaves the queue other than by
+-- claim (cancel, a late result). Jobs enter through the insert trigger or queue_admit, which check the
+-- bound. Caller holds the job's row lock.
 CREATE OR REPLACE FUNCTION pglane.queue_delta(p_lane text, p_delta integer) RETURNS void
 LANGUAGE sql AS $$
     UPDATE pglane.lane_counters c SET queued = c.queued + p_delta
       FROM pglane.lanes l
      WHERE l.name = p_lane AND c.lane_id = l.id AND l.max_queued IS NOT NULL;
+$$;
+
+-- queue_admit: a job that was admitted once goes back into the queue (a retry after a failure or a
+-- lost worker, an operator's retry). On a bounded lane it takes one place under the counters row lock
+-- and, when the lane is full, takes none and returns false: max_queued holds for returning jobs as it
+-- does for new ones, never more. Always true on an unbounded lane. Caller holds the job's row lock.
+CREATE OR REPLACE FUNCTION pglane.queue_admit(p_lane text) RETURNS boolean
+LANGUAGE sql AS $$
+    WITH lane AS (SELECT l.id, l.max_queued FROM pglane.lanes l WHERE l.name = p_lane),
+         taken AS (UPDATE pglane.lane_counters c SET queued = c.queued + 1
+                     FROM lane
+                    WHERE c.lane_id = lane.id AND lane.max_queued IS NOT NULL AND c.queued < lane.max_queued
+                   RETURNING 1)
+    SELECT lane.max_queued IS NULL OR EXISTS (SELECT 1 FROM taken) FROM lane;
 $$;
 
 -- notify_lane: wake the lane's listening workers. The channel is derived from the lane's id, never

@@ -32,8 +32,8 @@ SELECT a.id AS attempt_id, a.job_id, j.lane, l.id AS lane_id, a.attempt_number, 
  WHERE j.status = 'running' AND a.status = 'running';
 
 -- recover: mark lost the running attempts (of one lane, or all) whose session is provably gone;
--- returns how many. On a lane with attempts left the job goes back to the queue (at-least-once work);
--- otherwise it is failed with a reason saying the paid call may have been made, and never re-run
+-- returns how many. On a lane with attempts left the job goes back to the queue (at-least-once work),
+-- or is failed with the reason when its bounded lane is full; otherwise it is failed with a reason saying the paid call may have been made, and never re-run
 -- without a person's decision. Each job is re-checked under its row lock; one being completed right
 -- now is skipped (its completion decides).
 CREATE OR REPLACE FUNCTION pglane.recover(p_lane text DEFAULT NULL) RETURNS integer
@@ -41,12 +41,13 @@ LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
 AS $$
 DECLARE
-    r       record;
-    v_count integer := 0;
-    v_error text;
+    r          record;
+    v_count    integer := 0;
+    v_error    text;
+    v_requeued boolean;
 BEGIN
     FOR r IN SELECT ra.attempt_id, ra.job_id, ra.lane, ra.attempt_number, ra.worker, ra.backend_pid,
-                    ra.backend_start, l.max_attempts
+                    ra.backend_start, l.max_attempts, l.max_queued
                FROM pglane.running_attempts ra JOIN pglane.lanes l ON l.id = ra.lane_id
               WHERE (p_lane IS NULL OR ra.lane = p_lane) AND NOT ra.alive
     LOOP
@@ -62,12 +63,21 @@ BEGIN
         UPDATE pglane.attempts a SET status = 'lost', finished_at = now(), error = v_error
          WHERE a.id = r.attempt_id AND a.status = 'running';
         CONTINUE WHEN NOT FOUND;
-        IF r.attempt_number < r.max_attempts THEN
+        v_requeued := false;
+        IF r.attempt_number < r.max_attempts THEN  -- nested: queue_admit takes a place when it says yes
+            v_requeued := pglane.queue_admit(r.lane);
+        END IF;
+        IF v_requeued THEN
             UPDATE pglane.jobs j SET status = 'queued', run_after = now(),
                    last_error = v_error || '; re-queued: the lane allows ' || r.max_attempts || ' attempts'
              WHERE j.id = r.job_id;
-            PERFORM pglane.queue_delta(r.lane, 1);
             PERFORM pglane.notify_lane((SELECT l.id FROM pglane.lanes l WHERE l.name = r.lane));
+        ELSIF r.attempt_number < r.max_attempts THEN
+            UPDATE pglane.jobs j SET status = 'failed', finished_at = now(),
+                   last_error = v_error || format('; not re-queued: lane %s is full (max_queued %s); run it '
+                                                  'again when there is room: pglane retry %s',
+                                                  r.lane, r.max_queued, r.job_id)
+             WHERE j.id = r.job_id;
         ELSE
             UPDATE pglane.jobs j SET status = 'failed', finished_at = now(),
                    last_error = v_error || '; not re-run automatically: retry only if paying again is acceptable'
@@ -90,7 +100,8 @@ AS $$
 $$;
 
 -- retry: a person's decision to spend again: a failed or cancelled job goes back to the queue for one
--- more attempt. Refused (PGL08) for any other status, with the reason.
+-- more attempt. Refused (PGL08) for any other status, with the reason, and (PGL04) while its
+-- bounded lane is full: the job stays as it was.
 CREATE OR REPLACE FUNCTION pglane.retry(p_job_id bigint) RETURNS boolean
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
@@ -110,8 +121,13 @@ BEGIN
                        WHEN 'done' THEN 'its result is stored; enqueue a new job with a new key to run it again'
                        ELSE 'it will run (or is running) already' END;
     END IF;
+    IF NOT pglane.queue_admit(v_job.lane) THEN
+        RAISE EXCEPTION USING ERRCODE = 'PGL04',
+            MESSAGE = format('lane %L is full: job %s stays %s (max_queued is %s)', v_job.lane, p_job_id,
+                             v_job.status, (SELECT l.max_queued FROM pglane.lanes l WHERE l.name = v_job.lane)),
+            HINT = 'retry it once workers have drained the lane, or raise the lane''s max_queued';
+    END IF;
     UPDATE pglane.jobs j SET status = 'queued', run_after = now(), finished_at = NULL WHERE j.id = p_job_id;
-    PERFORM pglane.queue_delta(v_job.lane, 1);
     PERFORM pglane.notify_lane((SELECT l.id FROM pglane.lanes l WHERE l.name = v_job.lane));
     RETURN true;
 END $$;

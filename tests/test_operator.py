@@ -202,6 +202,66 @@ def test_a_lane_made_bounded_later_counts_the_jobs_it_already_has(conn: Any, lan
         pglane.enqueue(conn, lane, {})
 
 
+def depth(conn: Any, lane: str) -> tuple[int, int]:
+    """(jobs queued in the lane, the bounded lane's counter): the two must agree."""
+    row = conn.execute(
+        "SELECT (SELECT count(*) FROM pglane.jobs j WHERE j.lane = l.name AND j.status = 'queued') AS real,"
+        " c.queued AS counted FROM pglane.lanes l JOIN pglane.lane_counters c ON c.lane_id = l.id"
+        " WHERE l.name = %s", (lane,)).fetchone()
+    return int(row["real"]), int(row["counted"])
+
+
+def test_max_queued_holds_for_jobs_coming_back_to_the_queue(session: Any, conn: Any) -> None:
+    lane = "bounded"
+    pglane.create_lane(conn, lane, job_timeout=20, max_attempts=3, max_queued=2, retry_backoff=0)
+    holder = hold_slot(session, lane)
+    first = pglane.enqueue(conn, lane, {})
+    attempt = claim(holder, lane)["attempt_id"]
+    waiting = [pglane.enqueue(conn, lane, {}) for _ in range(2)]  # the lane is full again
+    assert depth(conn, lane) == (2, 2)
+
+    # A failed attempt with attempts left: failed, not re-queued past the bound, and told why.
+    assert holder.execute("SELECT pglane.fail(%s, 'boom') AS ok", (attempt,)).fetchone()["ok"] is True
+    job = pglane.job_status(conn, first)
+    assert job["status"] == "failed"
+    assert job["last_error"] == f"boom; not re-queued: lane {lane} is full (max_queued 2); run it again when" \
+        f" there is room: pglane retry {first}"
+    assert depth(conn, lane) == (2, 2)
+
+    # An operator's retry into the full lane: refused, nothing changed.
+    with pytest.raises(pglane.LaneFull, match=f"lane '{lane}' is full: job {first} stays failed"):
+        pglane.retry(conn, first)
+    assert pglane.job_status(conn, first)["status"] == "failed"
+    assert depth(conn, lane) == (2, 2)
+
+    # A lost worker on an at-least-once lane that is full: failed with the reason, the bound holds.
+    lost = claim(holder, lane)
+    pglane.enqueue(conn, lane, {})
+    holder.close()
+    assert pglane.recover(conn, lane) == 1
+    job = pglane.job_status(conn, lost["job_id"])
+    assert job["status"] == "failed" and job["attempt_status"] == "lost"
+    assert f"not re-queued: lane {lane} is full (max_queued 2)" in job["last_error"]
+    assert f"pglane retry {lost['job_id']}" in job["last_error"]
+    assert depth(conn, lane) == (2, 2)
+
+    # Room again: the same retry goes through and takes the freed place.
+    pglane.cancel(conn, waiting[1])
+    assert depth(conn, lane) == (1, 1)
+    assert pglane.retry(conn, first) is True
+    assert pglane.job_status(conn, first)["status"] == "queued"
+    assert depth(conn, lane) == (2, 2)
+
+
+def test_an_unbounded_lane_still_requeues_a_failed_attempt(session: Any, conn: Any) -> None:
+    pglane.create_lane(conn, "open", job_timeout=20, max_attempts=2, retry_backoff=0)
+    holder = hold_slot(session, "open")
+    job = pglane.enqueue(conn, "open", {})
+    holder.execute("SELECT pglane.fail(%s, 'boom')", (claim(holder, "open")["attempt_id"],))
+    row = pglane.job_status(conn, job)
+    assert (row["status"], row["last_error"]) == ("queued", "boom")
+
+
 @pytest.mark.parametrize(
     ("status", "retry_ok", "cancel_ok"),
     [("queued", False, True), ("running", False, False), ("done", False, False),

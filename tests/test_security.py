@@ -79,7 +79,7 @@ OPERATIONS: dict[str, tuple[set[str], Callable[[Any, Any, Any], Any]]] = {
     "cancel": ({"operator"}, lambda c, admin, new: c.execute(
         "SELECT pglane.cancel(%s)", (pglane.enqueue(admin, "brain", {}),))),
     "read payloads": ({"worker", "operator"}, lambda c, admin, new: c.execute("SELECT payload FROM pglane.jobs")),
-    "read attempts": ({"operator"}, lambda c, admin, new: c.execute("SELECT * FROM pglane.attempts")),
+    "read attempts": ({"worker", "operator"}, lambda c, admin, new: c.execute("SELECT * FROM pglane.attempts")),
     "read lane status": ({"operator"}, lambda c, admin, new: c.execute("SELECT * FROM pglane.lane_status")),
     "prune": ({"operator"}, lambda c, admin, new: c.execute("SELECT pglane.prune(interval '1 day')")),
     "call a function body directly": (set(), lambda c, admin, new: c.execute(
@@ -104,6 +104,18 @@ def test_privilege_matrix(as_role: Callable[[str], Any], conn: Any, lane: str, r
         with pytest.raises(psycopg.errors.InsufficientPrivilege) as refused:
             run(session, conn, lambda: as_role("worker"))
         assert "permission denied" in str(refused.value)
+
+
+def test_a_worker_role_reads_its_own_queue_gauges(as_role: Callable[[str], Any], conn: Any, lane: str) -> None:
+    from pglane.metrics import QUEUE
+
+    for _ in range(2):
+        pglane.enqueue(conn, lane, {})
+    worker = as_role("worker")
+    worker.execute("SELECT pg_advisory_lock(1, 1)")
+    assert worker.execute("SELECT job_id FROM pglane.claim(%s, 'w')", (lane,)).fetchone() is not None
+    row = worker.execute(QUEUE, {"lane": lane}).fetchone()
+    assert (row["queued"], row["running"]) == (1, 1)
 
 
 def test_the_roles_migration_is_safe_to_run_again_after_a_downgrade(dsn: str, conn: Any) -> None:
