@@ -32,6 +32,8 @@ CREATE_LANE: LiteralString = (
 TRY_SLOT: LiteralString = "SELECT pg_try_advisory_lock(%s, %s)"
 WAIT_SLOT: LiteralString = "SELECT pg_advisory_lock(%s, %s)"
 RELEASE_SLOT: LiteralString = "SELECT pg_advisory_unlock(%s, %s)"
+# Which slot this session holds, for the claim to check first (an order, never a permission).
+SLOT_HINT: LiteralString = "SELECT set_config('pglane.slot', %s, false)"
 
 LANE_STATUS: LiteralString = "SELECT * FROM pglane.lane_status ORDER BY lane"
 JOB_STATUS: LiteralString = "SELECT * FROM pglane.job_status WHERE job_id = %s"

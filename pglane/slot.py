@@ -51,7 +51,7 @@ class LockSession:
         self.conn = conn
         self.lane_id = lane_id
         self.slots = slots
-        self.slot: int | None = None  # the slot this session holds; only the take and release methods change it
+        self.slot: int | None = None  # the slot this session holds; only _took and release change it
         self.channel = f"pglane_{lane_id}"
         self._waiting: asyncio.Future[bool] | None = None  # the wait interrupt() ends; set by _readable only
 
@@ -68,9 +68,13 @@ class LockSession:
         for slot in range(1, self.slots + 1):
             row = self.conn.execute(queries.TRY_SLOT, (self.lane_id, slot)).fetchone()
             if row is not None and row["pg_try_advisory_lock"]:
-                self.slot = slot
+                self._took(slot)
                 return True
         return False
+
+    def _took(self, slot: int) -> None:
+        self.slot = slot
+        self.conn.execute(queries.SLOT_HINT, (str(slot),))
 
     async def wait_take(self, stopping: asyncio.Event) -> bool:
         """Wait as a standby until a slot frees, then take it; False if asked to stop first.
@@ -89,7 +93,7 @@ class LockSession:
                         return True
                     await asyncio.sleep(0)
                     continue
-                self.slot = slot
+                self._took(slot)
                 return True
             return False
         finally:

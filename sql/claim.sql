@@ -24,6 +24,8 @@ DECLARE
     v_key     text;
     v_attempt bigint;
     v_lease   timestamptz;
+    v_mine    integer;
+    v_try     integer;
 BEGIN
     SELECT * INTO v_lane FROM pglane.lanes l WHERE l.name = p_lane;
     IF NOT FOUND THEN
@@ -36,11 +38,19 @@ BEGIN
     -- waiting standby out. A transaction-level or shared lock is not a slot. If the statement is
     -- cancelled between unlock and re-lock, the session has lost its slot and every later claim is
     -- refused: it fails safe. (Nested IFs: SQL does not promise to evaluate AND left to right.)
-    FOR s IN 1 .. v_lane.slots LOOP
-        IF pg_try_advisory_xact_lock(v_lane.id, s) THEN
-            IF pg_advisory_unlock(v_lane.id, s) THEN
-                PERFORM pg_advisory_lock(v_lane.id, s);
-                v_slot := s;
+    -- The slot the session says it holds (setting pglane.slot, which pglane worker sets) is checked
+    -- first: the setting only orders the checks, each check is the same exact one. Without it, a free
+    -- slot below the session's own is pinned for the rest of the transaction and its unlock logs a
+    -- WARNING ("you don't own a lock"): harmless, but noise on every claim of a degraded lane.
+    v_mine := CASE WHEN current_setting('pglane.slot', true) ~ '^[0-9]{1,9}$'
+                   THEN current_setting('pglane.slot', true)::integer END;
+    FOR i IN 0 .. v_lane.slots LOOP
+        v_try := CASE WHEN i = 0 THEN v_mine WHEN i IS DISTINCT FROM v_mine THEN i END;
+        CONTINUE WHEN v_try IS NULL OR v_try > v_lane.slots OR v_try < 1;
+        IF pg_try_advisory_xact_lock(v_lane.id, v_try) THEN
+            IF pg_advisory_unlock(v_lane.id, v_try) THEN
+                PERFORM pg_advisory_lock(v_lane.id, v_try);
+                v_slot := v_try;
                 EXIT;
             END IF;
         END IF;

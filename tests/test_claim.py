@@ -10,6 +10,7 @@ import psycopg
 import pytest
 
 import pglane
+from tests.conftest import wait_until
 
 CLAIM = "SELECT * FROM pglane.claim(%s, 'test')"
 
@@ -20,6 +21,12 @@ def lane_id(conn: Any, name: str) -> int:
 
 def take_slot(conn: Any, lane: str, slot: int = 1) -> None:
     assert conn.execute("SELECT pg_try_advisory_lock(%s, %s) AS ok", (lane_id(conn, lane), slot)).fetchone()["ok"]
+
+
+def waiting_on_lock(conn: Any, pid: int) -> None:
+    """Return once backend ``pid`` is blocked on a heavyweight lock (row, advisory, ...)."""
+    wait_until(lambda: conn.execute("SELECT wait_event_type = 'Lock' AS waiting FROM pg_stat_activity"
+                                    " WHERE pid = %s", (pid,)).fetchone()["waiting"], what=f"backend {pid} to wait")
 
 
 def claim(conn: Any, lane: str = "brain") -> dict[str, Any] | None:
@@ -87,9 +94,11 @@ def test_a_claim_check_never_lets_a_waiting_standby_in(session: Any, lane: str) 
     take_slot(holder, lane)
     lid = lane_id(holder, lane)
     got = threading.Event()
+    standby_pid = standby.info.backend_pid
     thread = threading.Thread(target=lambda: (standby.execute("SELECT pg_advisory_lock(%s, 1)", (lid,)), got.set()))
     thread.start()
     try:
+        waiting_on_lock(holder, standby_pid)
         for _ in range(3):  # each claim pins, unlocks and re-locks the slot while the standby waits on it
             row = claim(holder)
             assert row is not None
@@ -114,12 +123,41 @@ def test_two_slots_claim_different_jobs_skipping_each_others_locked_rows(session
     # commit on the lane's seq counter, which keeps seq gapless and in commit order.
     thread = threading.Thread(target=lambda: rows_b.append(claim(b, "wide")))
     thread.start()
+    waiting_on_lock(conn, b.info.backend_pid)
     a.commit()
     thread.join(10)
     b.commit()
     assert row_a is not None and rows_b and rows_b[0] is not None
     assert (row_a["job_id"], rows_b[0]["job_id"]) == (first_job, second_job)
     assert (row_a["seq"], rows_b[0]["seq"]) == (1, 2)
+
+
+def test_a_worker_on_a_higher_slot_claims_without_touching_the_free_lower_ones(
+    dsn: str, session: Any, conn: Any
+) -> None:
+    from pglane.slot import LockSession
+
+    pglane.create_lane(conn, "wide", slots=2, job_timeout=10)
+    lid = lane_id(conn, "wide")
+    first = session()
+    take_slot(first, "wide", 1)
+    worker = LockSession.connect(dsn, lid, 2, "t")
+    try:
+        assert worker.try_take() and worker.slot == 2
+        first.execute("SELECT pg_advisory_unlock(%s, 1)", (lid,))  # slot 1 is free again
+        pglane.enqueue(conn, "wide", {})
+        notices: list[str] = []
+        worker.conn.add_notice_handler(lambda diag: notices.append(str(diag.message_primary)))
+        worker.conn.execute("BEGIN")
+        row = worker.conn.execute("SELECT * FROM pglane.claim('wide', 'w')").fetchone()
+        # the claim's transaction is still open: a starting worker can take the free slot 1 now
+        newcomer = session()
+        assert newcomer.execute("SELECT pg_try_advisory_lock(%s, 1) AS got", (lid,)).fetchone()["got"]
+        worker.conn.execute("COMMIT")
+        assert row is not None and row["job_id"] is not None
+        assert notices == []
+    finally:
+        worker.release()
 
 
 def test_claim_records_the_session_identity_and_the_lease(conn: Any, lane: str) -> None:

@@ -1,4 +1,5 @@
-"""max_queued holds for jobs that come back to the queue; workers may read attempts.
+"""max_queued holds for jobs that come back to the queue; workers may read attempts; the claim
+checks the session's own slot first.
 
 Revision ID: 0004
 Revises: 0003
@@ -13,6 +14,9 @@ Create Date: 2026-12-03
 - The worker's Prometheus queue gauges count running attempts through pglane.attempts (the
   attempts_running index of 0003), which pglane_worker could not read: the gauges stayed at zero.
   pglane_worker now has SELECT on pglane.attempts, as it has on jobs.
+- The claim checks first the slot the session names in the setting pglane.slot (pglane worker sets
+  it): a worker on slot k > 1 no longer pins the free slots below its own for the length of its claim
+  transaction, nor makes the server log a WARNING for each of them on every claim.
 
 Downgrade revokes the grant. The functions keep this revision's bodies: they need nothing that 0004
 added to the tables, and they keep the bound on the older schema.
@@ -26,7 +30,8 @@ down_revision = "0003"
 branch_labels = None
 depends_on = None
 
-# queue_admit is defined in lanes.sql; fail() in claim.sql; recover() and retry() in recover.sql.
+# queue_admit is defined in lanes.sql; fail() and the claim in claim.sql; recover() and retry() in
+# recover.sql.
 # CREATE OR REPLACE keeps the grants of 0002.
 CHANGED = ("lanes.sql", "claim.sql", "recover.sql")
 
