@@ -37,10 +37,14 @@ SLOT_HINT: LiteralString = "SELECT set_config('pglane.slot', %s, false)"
 
 LANE_STATUS: LiteralString = "SELECT * FROM pglane.lane_status ORDER BY lane"
 JOB_STATUS: LiteralString = "SELECT * FROM pglane.job_status WHERE job_id = %s"
-JOBS: LiteralString = (
+JOBS: LiteralString = (  # queued jobs first, in the order they will be served (as queue_position
+    # counts: eligible ones by created_at and id, then scheduled ones by run_after); the rest newest first
     "SELECT * FROM pglane.job_status"
     " WHERE (%(lane)s::text IS NULL OR lane = %(lane)s) AND (%(status)s::text IS NULL OR status = %(status)s)"
-    " ORDER BY job_id DESC LIMIT %(limit)s"
+    " ORDER BY status <> 'queued', (status = 'queued' AND run_after > now()),"
+    " CASE WHEN status = 'queued' AND run_after > now() THEN run_after END,"
+    " CASE WHEN status = 'queued' THEN created_at END, CASE WHEN status = 'queued' THEN job_id END,"
+    " job_id DESC LIMIT %(limit)s"
 )
 ATTEMPTS: LiteralString = (
     "SELECT id, attempt_number, status, worker, backend_pid, backend_start, started_at, finished_at,"

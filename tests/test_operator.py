@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 import urllib.request
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -154,6 +155,22 @@ def test_queue_positions_count_from_one_in_service_order_under_concurrent_produc
     first = claim(conn, lane)
     assert first["job_id"] == service[0]
     assert pglane.job_status(conn, service[1])["queue_position"] == 1
+
+
+def test_the_jobs_listing_shows_queued_jobs_in_the_order_they_will_be_served(session: Any, conn: Any,
+                                                                              lane: str) -> None:
+    later = pglane.enqueue(conn, lane, {}, run_after=datetime.now(UTC) + timedelta(seconds=60))
+    pair = [r["id"] for r in conn.execute(  # one statement: the same created_at, served by id
+        "INSERT INTO pglane.jobs (lane) VALUES (%s), (%s) RETURNING id", (lane, lane)).fetchall()]
+    holder = hold_slot(session, lane)
+    started = pglane.enqueue(conn, lane, {})
+    age(conn, started, 30)  # the oldest: claimed first, so it is running, not queued
+    assert claim(holder, lane)["job_id"] == started
+    listed = pglane.jobs(conn, lane=lane, status="queued")
+    assert [r["job_id"] for r in listed] == [*pair, later]
+    assert [r["queue_position"] for r in listed] == [1, 2, 3]
+    everything = [r["job_id"] for r in pglane.jobs(conn, lane=lane)]
+    assert everything == [*pair, later, started]  # queued first in service order, then the rest
 
 
 def test_a_bounded_lane_never_holds_more_than_max_queued_under_concurrent_producers(
