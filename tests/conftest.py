@@ -155,7 +155,7 @@ class Workers:
         log = open(self.tmp_path / f"worker-{len(self.procs)}.log", "wb")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(
             [sys.executable, "-m", "pglane", "worker", lane, "--handler", handler, *args],
-            env=dict(os.environ, PGLANE_DSN=self.dsn, PGLANE_TEST_LEDGER=str(self.ledger.path), **(env or {})),
+            env={**os.environ, "PGLANE_DSN": self.dsn, "PGLANE_TEST_LEDGER": str(self.ledger.path), **(env or {})},
             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
         )
         proc.log_path = log.name  # type: ignore[attr-defined]

@@ -73,3 +73,6 @@ def noop(job: Job) -> Any:
 
 def echo(job: Job) -> Any:
     return {"echo": job.payload}
+
+
+NOT_CALLABLE = {"a": "dict"}  # a handler spec naming this is refused: not callable

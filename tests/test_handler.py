@@ -119,7 +119,7 @@ def test_outcome_of_a_cancelled_call() -> None:
 @pytest.mark.parametrize(("spec", "message"), [("nocolon", "must look like MODULE:CALLABLE"),
                                                ("no_such_module_x:f", "cannot import handler module"),
                                                ("tests.handlers:missing", "has no 'missing'"),
-                                               ("tests.handlers:ROOT_NOT_CALLABLE", "has no")])
+                                               ("tests.handlers:NOT_CALLABLE", "is not callable")])
 def test_handler_specs_that_cannot_work_are_refused_clearly(spec: str, message: str) -> None:
     with pytest.raises(ConfigurationError, match=message):
         load(spec)

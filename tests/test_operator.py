@@ -300,10 +300,11 @@ def test_retry_and_cancel_only_where_they_are_allowed(
             pglane.retry(conn, job)
             pglane.cancel(conn, job)
     assert pglane.job_status(conn, job)["status"] == status
-    for op, allowed in ((pglane.retry, retry_ok), (pglane.cancel, cancel_ok)):
+    for op, allowed, after in ((pglane.retry, retry_ok, "queued"), (pglane.cancel, cancel_ok, "cancelled")):
         before = pglane.job_status(conn, job)["status"]
         if allowed:
             assert op(conn, job) is True
+            assert pglane.job_status(conn, job)["status"] == after
             conn.execute("UPDATE pglane.jobs SET status = %s WHERE id = %s", (before, job))  # restore
         else:
             with pytest.raises(pglane.InvalidTransition, match=f"job {job} is {before}; only"):
@@ -353,29 +354,34 @@ def test_the_queue_gauges_count_this_lanes_queued_and_running_jobs_only(conn: An
     assert row["oldest"] >= 0
 
 
-def test_the_metrics_endpoint_is_scraped_over_http(conn: Any, lane: str, workers: Workers) -> None:
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+        return int(probe.getsockname()[1])
+
+
+def scrape(port: int, lane: str = "brain") -> dict[str, float]:
+    """The worker's pglane_* metrics of ``lane`` (histograms by bucket); empty until it serves."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+            text = response.read().decode()
+    except OSError:
+        return {}
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("pglane_") and f'lane="{lane}"' in line:
+            name, _, value = line.rpartition(" ")
+            values[name.split("{")[0] + ("" if "le=" not in name else name[name.index("le="):])] = float(value)
+    return values
+
+
+def test_the_metrics_endpoint_is_scraped_over_http(conn: Any, lane: str, workers: Workers) -> None:
+    port = free_port()
     for _ in range(3):
         pglane.enqueue(conn, lane, {"sleep": 0.01})
     pglane.enqueue(conn, lane, {"fail": "boom"})
     workers.start(lane, "tests.handlers:paid_call", "--metrics-port", str(port))
-
-    def scrape() -> dict[str, float]:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
-                text = response.read().decode()
-        except OSError:
-            return {}
-        values = {}
-        for line in text.splitlines():
-            if line.startswith("pglane_") and 'lane="brain"' in line:
-                name, _, value = line.rpartition(" ")
-                values[name.split("{")[0] + ("" if "le=" not in name else name[name.index("le="):])] = float(value)
-        return values
-
-    metrics = wait_until(lambda: (m := scrape()) and m.get("pglane_jobs_done_total") == 3
+    metrics = wait_until(lambda: (m := scrape(port)) and m.get("pglane_jobs_done_total") == 3
                          and m.get("pglane_jobs_failed_total") == 1 and m, 20, "metrics")
     assert metrics["pglane_slot_held"] == 1
     assert metrics["pglane_jobs_failed_total"] == 1

@@ -118,6 +118,28 @@ def test_a_worker_role_reads_its_own_queue_gauges(as_role: Callable[[str], Any],
     assert (row["queued"], row["running"]) == (1, 1)
 
 
+def test_a_worker_process_logged_in_as_a_worker_role_runs_jobs_and_reports_its_gauges(
+    as_role: Callable[[str], Any], dsn: str, conn: Any, lane: str, workers: Workers
+) -> None:
+    from psycopg.conninfo import make_conninfo
+
+    from tests.test_operator import free_port, scrape
+
+    conn.execute("DO $$ BEGIN CREATE ROLE pglane_test_login LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$")
+    conn.execute("GRANT pglane_worker TO pglane_test_login")
+    long_call = pglane.enqueue(conn, lane, {"sleep": 60})
+    for _ in range(2):
+        pglane.enqueue(conn, lane, {})
+    port = free_port()
+    workers.start(lane, "tests.handlers:paid_call", "--metrics-port", str(port),
+                  env={"PGLANE_DSN": make_conninfo(dsn, user="pglane_test_login")})
+    wait_until(lambda: pglane.job_status(conn, long_call)["status"] == "running", 20, "the worker's first claim")
+    metrics = wait_until(lambda: (m := scrape(port)) and m.get("pglane_running_jobs") == 1 and m, 20, "the gauges")
+    assert metrics["pglane_queue_depth"] == 2
+    assert conn.execute("SELECT usename FROM pg_stat_activity WHERE application_name LIKE 'pglane %%'"
+                        ).fetchone()["usename"] == "pglane_test_login"
+
+
 def test_the_roles_migration_is_safe_to_run_again_after_a_downgrade(dsn: str, conn: Any) -> None:
     from pglane import schema
 
