@@ -206,6 +206,53 @@ def test_late_completion_is_refused_after_a_newer_attempt(conn: Any) -> None:
     assert pglane.result(conn, job) == {"fresh": True}
 
 
+def test_a_stale_attempt_can_neither_fail_nor_complete_through_the_fast_path(conn: Any) -> None:
+    pglane.create_lane(conn, "retrying", job_timeout=10, max_attempts=3)
+    job = pglane.enqueue(conn, "retrying", {})
+    take_slot(conn, "retrying")
+    first = claim(conn, "retrying")
+    assert first is not None
+    conn.execute("SELECT pglane.fail(%s, 'boom')", (first["attempt_id"],))
+    conn.execute("UPDATE pglane.jobs SET run_after = now() WHERE id = %s", (job,))  # skip the backoff
+    second = claim(conn, "retrying")
+    assert second is not None
+    nothing = conn.execute("SELECT pglane.fail(%s, 'stale') AS ok", (first["attempt_id"],)).fetchone()
+    assert nothing["ok"] is False
+    following = pglane.enqueue(conn, "retrying", {})
+    fused = conn.execute("SELECT * FROM pglane.complete_and_claim(%s, '{\"stale\": true}', 'retrying', 'test')",
+                         (first["attempt_id"],)).fetchone()
+    assert fused["completed"] is False and fused["job_id"] == following  # refused, and the next job is claimed
+    assert [(a["status"], a["error"]) for a in pglane.attempts(conn, job)] == [("failed", "boom"), ("running", None)]
+    assert pglane.job_status(conn, job)["status"] == "running" and pglane.result(conn, job) is None
+
+
+def test_recovery_marks_lost_an_attempt_whose_session_let_go_of_its_slot(session: Any, conn: Any, lane: str) -> None:
+    job = pglane.enqueue(conn, lane, {})
+    holder = session()
+    take_slot(holder, lane)
+    assert claim(holder, lane) is not None
+    assert pglane.recover(conn, lane) == 0  # connected and holding the slot: alive
+    holder.execute("SELECT pg_advisory_unlock(%s, 1)", (lane_id(conn, lane),))
+    assert pglane.recover(conn, lane) == 1  # still connected, but no longer the lane's consumer
+    assert [a["status"] for a in pglane.attempts(conn, job)] == ["lost"]
+    assert pglane.job_status(conn, job)["status"] == "failed"
+
+
+def test_a_retried_job_runs_one_more_attempt(conn: Any, lane: str) -> None:
+    job = pglane.enqueue(conn, lane, {})
+    take_slot(conn, lane)
+    first = claim(conn, lane)
+    assert first is not None
+    conn.execute("SELECT pglane.fail(%s, 'boom')", (first["attempt_id"],))
+    assert pglane.job_status(conn, job)["status"] == "failed"  # one attempt allowed
+    assert pglane.retry(conn, job) is True
+    second = claim(conn, lane)
+    assert second is not None and (second["job_id"], second["attempt_number"]) == (job, 2)
+    conn.execute("SELECT pglane.complete(%s, '{\"ok\": 1}')", (second["attempt_id"],))
+    assert pglane.result(conn, job) == {"ok": 1}
+    assert [a["status"] for a in pglane.attempts(conn, job)] == ["failed", "done"]
+
+
 def test_fail_requeues_while_attempts_remain_then_fails(conn: Any) -> None:
     pglane.create_lane(conn, "twice", job_timeout=10, max_attempts=2)
     job = pglane.enqueue(conn, "twice", {})
