@@ -7,7 +7,8 @@ the lane, LISTEN, drain the queue, and wait for a wake-up or the poll interval. 
   never overwrite a newer attempt; an outcome that could not be written (the connection died) is kept
   as ``_pending`` and delivered first after reconnecting;
 - on SIGTERM/SIGINT, --max-jobs or --max-lifetime the worker finishes the current call, writes its
-  outcome, releases the slot and exits 0: a stop never cuts a call off;
+  outcome, releases the slot and exits 0: a stop never cuts a call off. If the database is unreachable
+  then, it does not wait for it: it logs the statement that stores the outcome and exits 69;
 - a handler still running at the hard timeout (it ignored cancellation, or it is sync) gets its
   attempt recorded timed_out and the process ends with EXIT_HUNG, because a thread cannot be killed.
 How it breaks: if the slot session dies during a call, another worker may take the slot and start
@@ -45,6 +46,7 @@ log = logging.getLogger("pglane.worker")
 EXIT_OK = 0
 EXIT_CONFIG = 2
 EXIT_HUNG = 75  # EX_TEMPFAIL: a handler outlived the hard timeout; restart the process
+EXIT_UNSTORED = 69  # EX_UNAVAILABLE: stopped while the database was unreachable, an outcome unwritten
 QUICK_CALL = 0.05  # calls shorter than this run without a connection watcher (saves a task per job)
 
 
@@ -181,6 +183,12 @@ class Worker:
             if self._metrics is not None:
                 self._metrics.close()
         log.info("worker %s stopped after %s job(s)", self.name, self.jobs_run)
+        if self._pending is not None:
+            job, outcome = self._pending
+            log.error("stopped while the database was unreachable: the outcome of attempt %s of job %s is not "
+                      "stored; recovery will mark the attempt lost, and then this statement stores it as a late "
+                      "result: %s", job.attempt_id, job.id, unstored_sql(job, outcome))
+            return EXIT_UNSTORED
         return EXIT_OK
 
     def _done(self) -> bool:
@@ -401,6 +409,17 @@ class Worker:
         if not accepted:
             log.warning("outcome of attempt %s of job %s refused: a newer attempt exists or the job was "
                         "finished elsewhere; nothing was overwritten", job.attempt_id, job.id)
+
+
+def unstored_sql(job: Job, outcome: Outcome) -> str:
+    """The statement an operator runs to store an outcome the worker could not write. Only ever logged,
+    never executed by pglane; the texts are quoted as SQL string literals (standard_conforming_strings)."""
+    def literal(text: str) -> str:
+        return "'" + text.replace("'", "''") + "'"
+
+    if outcome.result_json is not None:
+        return f"SELECT pglane.complete({int(job.attempt_id)}, {literal(outcome.result_json)}::jsonb)"
+    return f"SELECT pglane.fail({int(job.attempt_id)}, {literal(outcome.error or '')}, {outcome.timed_out})"
 
 
 def _hung(hard_timeout: float) -> Outcome:

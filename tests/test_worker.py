@@ -113,6 +113,36 @@ def test_sigterm_finishes_the_current_call_and_exits_0(conn: Any, lane: str, wor
     assert leftover == 0
 
 
+def test_a_stop_while_the_database_is_unreachable_logs_how_to_store_the_outcome(
+    dsn: str, conn: Any, lane: str, workers: Workers, ledger: Ledger
+) -> None:
+    from psycopg import sql
+    from psycopg.conninfo import make_conninfo
+
+    database = sql.Identifier(conn.info.dbname)
+    proc = workers.start(lane)
+    job = pglane.enqueue(conn, lane, {"sleep": 1.0, "result": {"paid": "it's done"}})
+    wait_until(lambda: ledger.calls() == [job], 20, "the call to start")
+    admin = pglane.connect(make_conninfo(dsn, dbname="postgres"))  # a database cannot close itself
+    admin.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS false").format(database))
+    try:
+        conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                     " WHERE datname = current_database() AND application_name LIKE 'pglane %%'")
+        wait_until(lambda: "cannot reach the database" in workers.log(proc), 30, "a failed reconnection")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 69
+    finally:
+        admin.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS true").format(database))
+        admin.close()
+    assert [j for event, j, _, _ in ledger.events() if event == "end"] == [job]  # paid and answered
+    line = next(line for line in workers.log(proc).splitlines() if "is not stored" in line)
+    statement = line[line.index("SELECT pglane.complete("):]
+    assert pglane.recover(conn, lane) == 1
+    assert conn.execute(statement).fetchone()["complete"] is True
+    assert pglane.result(conn, job) == {"paid": "it's done"}
+    assert status(conn, job) == "done"
+
+
 def test_max_jobs_recycles_the_worker_with_exit_0_after_the_current_job(
     conn: Any, lane: str, workers: Workers
 ) -> None:
