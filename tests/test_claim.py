@@ -20,7 +20,10 @@ def lane_id(conn: Any, name: str) -> int:
 
 
 def take_slot(conn: Any, lane: str, slot: int = 1) -> None:
+    """Take a slot as a worker in any language does: the session lock, then the pglane.slot setting that
+    lets the claim check this slot first (without it, a claim on slot 2 briefly pins a free slot 1)."""
     assert conn.execute("SELECT pg_try_advisory_lock(%s, %s) AS ok", (lane_id(conn, lane), slot)).fetchone()["ok"]
+    conn.execute("SELECT set_config('pglane.slot', %s, false)", (str(slot),))
 
 
 def waiting_on_lock(conn: Any, pid: int) -> None:
