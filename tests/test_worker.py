@@ -6,6 +6,8 @@ from __future__ import annotations
 import signal
 from typing import Any
 
+import pytest
+
 import pglane
 from tests.conftest import Ledger, Workers, slot_holder, wait_until
 
@@ -101,11 +103,14 @@ def test_two_workers_started_at_once_on_a_one_slot_lane_never_run_two_calls_at_o
     assert sum("standby" in Workers.log(p) for p in procs) == 1
 
 
-def test_sigterm_finishes_the_current_call_and_exits_0(conn: Any, lane: str, workers: Workers, ledger: Ledger) -> None:
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_finishes_the_current_call_and_exits_0(
+    conn: Any, lane: str, workers: Workers, ledger: Ledger, stop: signal.Signals
+) -> None:
     proc = workers.start(lane)
     job = pglane.enqueue(conn, lane, {"sleep": 1.5})
     wait_until(lambda: ledger.calls() == [job], 20, "the call to start")
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(stop)
     assert proc.wait(30) == 0
     assert status(conn, job) == "done"
     assert slot_holder(conn, lane) == []
@@ -150,6 +155,17 @@ def test_max_jobs_recycles_the_worker_with_exit_0_after_the_current_job(
     proc = workers.start(lane, "tests.handlers:paid_call", "--max-jobs", "2")
     assert proc.wait(30) == 0
     assert [status(conn, j) for j in jobs] == ["done", "done", "queued", "queued", "queued"]
+
+
+def test_max_lifetime_reached_during_a_call_finishes_the_call_first(
+    conn: Any, lane: str, workers: Workers, ledger: Ledger
+) -> None:
+    job = pglane.enqueue(conn, lane, {"sleep": 2.0})
+    waiting = pglane.enqueue(conn, lane, {})
+    proc = workers.start(lane, "tests.handlers:paid_call", "--max-lifetime", "1")
+    assert proc.wait(30) == 0
+    assert ledger.calls() == [job]  # the call outlived the lifetime and was not cut off
+    assert (status(conn, job), status(conn, waiting)) == ("done", "queued")
 
 
 def test_max_lifetime_recycles_an_idle_worker_with_exit_0(lane: str, workers: Workers) -> None:
