@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import psycopg
+from psycopg import sql
 from tenacity import AsyncRetrying, RetryError, retry_if_exception_type, wait_exponential
 
 from . import handler as handlers
@@ -413,13 +414,13 @@ class Worker:
 
 def unstored_sql(job: Job, outcome: Outcome) -> str:
     """The statement an operator runs to store an outcome the worker could not write. Only ever logged,
-    never executed by pglane; the texts are quoted as SQL string literals (standard_conforming_strings)."""
-    def literal(text: str) -> str:
-        return "'" + text.replace("'", "''") + "'"
-
+    never executed by pglane; psycopg quotes the values as SQL literals."""
     if outcome.result_json is not None:
-        return f"SELECT pglane.complete({int(job.attempt_id)}, {literal(outcome.result_json)}::jsonb)"
-    return f"SELECT pglane.fail({int(job.attempt_id)}, {literal(outcome.error or '')}, {outcome.timed_out})"
+        statement = sql.SQL("SELECT pglane.complete({}, {}::jsonb)").format(job.attempt_id, outcome.result_json)
+    else:
+        statement = sql.SQL("SELECT pglane.fail({}, {}, {})").format(job.attempt_id, outcome.error or "",
+                                                                       outcome.timed_out)
+    return statement.as_string()
 
 
 def _hung(hard_timeout: float) -> Outcome:

@@ -42,8 +42,7 @@ BEGIN
     -- first: the setting only orders the checks, each check is the same exact one. Without it, a free
     -- slot below the session's own is pinned for the rest of the transaction and its unlock logs a
     -- WARNING ("you don't own a lock"): harmless, but noise on every claim of a degraded lane.
-    v_mine := CASE WHEN current_setting('pglane.slot', true) ~ '^[0-9]{1,9}$'
-                   THEN current_setting('pglane.slot', true)::integer END;
+    v_mine := substring(current_setting('pglane.slot', true) FROM '^([0-9]{1,9})$')::integer;
     FOR i IN 0 .. v_lane.slots LOOP
         v_try := CASE WHEN i = 0 THEN v_mine WHEN i IS DISTINCT FROM v_mine THEN i END;
         CONTINUE WHEN v_try IS NULL OR v_try > v_lane.slots OR v_try < 1;
@@ -209,8 +208,7 @@ BEGIN
              WHERE j.id = v_job.id;
             RETURN true;
         END IF;
-        v_full := format('; not re-queued: lane %s is full (max_queued %s); run it again when there is room: '
-                         'pglane retry %s', v_job.lane, v_lane.max_queued, v_job.id);
+        v_full := pglane.lane_full_note(v_job.lane, v_job.id);
     END IF;
     UPDATE pglane.jobs j
        SET status = 'failed', finished_at = now(), last_error = p_error || coalesce(v_full, '')

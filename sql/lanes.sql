@@ -64,6 +64,15 @@ LANGUAGE sql AS $$
     SELECT lane.max_queued IS NULL OR EXISTS (SELECT 1 FROM taken) FROM lane;
 $$;
 
+-- lane_full_note: what last_error adds when a job that may run again is failed instead of re-queued
+-- because queue_admit said its bounded lane is full.
+CREATE OR REPLACE FUNCTION pglane.lane_full_note(p_lane text, p_job bigint) RETURNS text
+LANGUAGE sql STABLE AS $$
+    SELECT format('; not re-queued: lane %s is full (max_queued %s); run it again when there is room: '
+                  'pglane retry %s', l.name, l.max_queued, p_job)
+      FROM pglane.lanes l WHERE l.name = p_lane;
+$$;
+
 -- notify_lane: wake the lane's listening workers. The channel is derived from the lane's id, never
 -- from its name; the payload is empty (no job data). Identical notifications in one transaction fold
 -- into one, so a transaction wakes each lane at most once.

@@ -47,7 +47,7 @@ DECLARE
     v_requeued boolean;
 BEGIN
     FOR r IN SELECT ra.attempt_id, ra.job_id, ra.lane, ra.attempt_number, ra.worker, ra.backend_pid,
-                    ra.backend_start, l.max_attempts, l.max_queued
+                    ra.backend_start, l.max_attempts
                FROM pglane.running_attempts ra JOIN pglane.lanes l ON l.id = ra.lane_id
               WHERE (p_lane IS NULL OR ra.lane = p_lane) AND NOT ra.alive
     LOOP
@@ -74,9 +74,7 @@ BEGIN
             PERFORM pglane.notify_lane((SELECT l.id FROM pglane.lanes l WHERE l.name = r.lane));
         ELSIF r.attempt_number < r.max_attempts THEN
             UPDATE pglane.jobs j SET status = 'failed', finished_at = now(),
-                   last_error = v_error || format('; not re-queued: lane %s is full (max_queued %s); run it '
-                                                  'again when there is room: pglane retry %s',
-                                                  r.lane, r.max_queued, r.job_id)
+                   last_error = v_error || pglane.lane_full_note(r.lane, r.job_id)
              WHERE j.id = r.job_id;
         ELSE
             UPDATE pglane.jobs j SET status = 'failed', finished_at = now(),

@@ -191,7 +191,9 @@ def test_completion_is_accepted_once_and_stores_the_result(conn: Any, lane: str)
     assert failed is False and pglane.job_status(conn, job)["status"] == "done"
 
 
-def test_late_completion_is_refused_after_a_newer_attempt(conn: Any) -> None:
+def superseded(conn: Any) -> tuple[int, dict[str, Any], dict[str, Any]]:
+    """A job on a three-attempt lane whose first attempt failed ('boom') and whose second is running:
+    (job id, first attempt's claim row, second attempt's claim row)."""
     pglane.create_lane(conn, "retrying", job_timeout=10, max_attempts=3)
     job = pglane.enqueue(conn, "retrying", {})
     take_slot(conn, "retrying")
@@ -201,6 +203,11 @@ def test_late_completion_is_refused_after_a_newer_attempt(conn: Any) -> None:
     conn.execute("UPDATE pglane.jobs SET run_after = now() WHERE id = %s", (job,))  # skip the backoff
     second = claim(conn, "retrying")
     assert second is not None and second["attempt_number"] == 2
+    return job, first, second
+
+
+def test_late_completion_is_refused_after_a_newer_attempt(conn: Any) -> None:
+    job, first, second = superseded(conn)
     stale = conn.execute("SELECT pglane.complete(%s, '{\"stale\": true}') AS ok", (first["attempt_id"],)).fetchone()
     assert stale["ok"] is False
     assert conn.execute("SELECT status, result FROM pglane.jobs").fetchone() == {"status": "running", "result": None}
@@ -210,15 +217,7 @@ def test_late_completion_is_refused_after_a_newer_attempt(conn: Any) -> None:
 
 
 def test_a_stale_attempt_can_neither_fail_nor_complete_through_the_fast_path(conn: Any) -> None:
-    pglane.create_lane(conn, "retrying", job_timeout=10, max_attempts=3)
-    job = pglane.enqueue(conn, "retrying", {})
-    take_slot(conn, "retrying")
-    first = claim(conn, "retrying")
-    assert first is not None
-    conn.execute("SELECT pglane.fail(%s, 'boom')", (first["attempt_id"],))
-    conn.execute("UPDATE pglane.jobs SET run_after = now() WHERE id = %s", (job,))  # skip the backoff
-    second = claim(conn, "retrying")
-    assert second is not None
+    job, first, _ = superseded(conn)
     nothing = conn.execute("SELECT pglane.fail(%s, 'stale') AS ok", (first["attempt_id"],)).fetchone()
     assert nothing["ok"] is False
     following = pglane.enqueue(conn, "retrying", {})

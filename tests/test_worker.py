@@ -283,3 +283,19 @@ def test_a_database_error_makes_the_worker_back_off_and_go_on_not_die(conn: Any,
     job = pglane.enqueue(conn, lane, {})
     wait_until(lambda: status(conn, job) == "done", 30, "the worker to go on")
     assert proc.poll() is None
+
+
+def test_the_logged_statement_for_an_unstored_failure_stores_its_text_exactly(conn: Any, lane: str) -> None:
+    from pglane.handler import Outcome
+    from pglane.worker import unstored_sql
+    from tests.test_claim import claim, take_slot
+
+    pglane.enqueue(conn, lane, {})
+    take_slot(conn, lane)
+    row = claim(conn, lane)
+    assert row is not None
+    job = pglane.Job(id=row["job_id"], lane=lane, payload={}, attempt_id=row["attempt_id"], attempt_number=1,
+                     seq=row["seq"], idempotency_key=None)
+    error = "ValueError: it's C:\\temp\\x; DROP TABLE pglane.jobs; --"
+    assert conn.execute(unstored_sql(job, Outcome(error=error))).fetchone()["fail"] is True
+    assert pglane.attempts(conn, job.id)[0]["error"] == error
