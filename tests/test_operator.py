@@ -254,7 +254,10 @@ def test_max_queued_holds_for_jobs_coming_back_to_the_queue(session: Any, conn: 
     # A lost worker on an at-least-once lane that is full: failed with the reason, the bound holds.
     lost = claim(holder, lane)
     pglane.enqueue(conn, lane, {})
-    holder.close()
+    pid = holder.info.backend_pid
+    holder.close()  # the backend exits a moment later: recovery needs the evidence that it is gone
+    wait_until(lambda: conn.execute("SELECT count(*) AS n FROM pg_stat_activity WHERE pid = %s", (pid,)
+                                    ).fetchone()["n"] == 0, 10, "the session to be gone")
     assert pglane.recover(conn, lane) == 1
     job = pglane.job_status(conn, lost["job_id"])
     assert job["status"] == "failed" and job["attempt_status"] == "lost"
