@@ -33,7 +33,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 PARTS = ("throughput", "wake", "claims", "takeover", "enqueue", "cost")
 THROUGHPUT_ORDER = ("pglane", "procrastinate", "pgqueuer", "floor_two_commits", "floor_one_commit", "floor_contract")
 WARMUP_JOBS = 200
-WAKE_CHUNKS = 3
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -74,9 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc["postgres"] = postgres_info(server.admin_dsn)
         doc["postgres"]["pg_stat_statements"] = server.statements
         progress("setting up schemas")
-        for system in (pglane, *peers):
+        for system in (pglane, *peers, *listeners):
             system.setup(server.dsn(system.db))
-        floors.setup(server.dsn("floor"))
 
         def guarded(part: str, body: Callable[[], None]) -> None:
             if part not in parts:
@@ -104,12 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results[name]["throughput_jobs_per_s"] = summary(values)
 
         def wake() -> None:
-            systems = {s.name: s for s in (pglane, *peers, *listeners)}
-            samples: dict[str, list[float]] = {name: [] for name in systems}
-            chunk = max(1, sizes.wake_jobs // WAKE_CHUNKS)
-            for rep, name in rotations(list(systems), WAKE_CHUNKS):
-                label = f"wake: {name} (chunk {rep + 1}/{WAKE_CHUNKS})"
-                samples[name] += real.wake(server, systems[name], chunk, logs, label)
+            systems = [pglane, *peers, *listeners]
+            samples = real.wake(server, systems, sizes.wake_jobs, logs, "wake: round")
             for name, values in samples.items():
                 stats = latency_ms(values)
                 results[name].update({"wake_p50_ms": stats["p50_ms"], "wake_p95_ms": stats["p95_ms"],

@@ -213,9 +213,11 @@ def listen_main(dsn: str) -> int:
 
 
 class FloorListenContract(Pglane):
-    """floor_listen's loop on pglane's schema and SQL, as a consumer process on pglane's bench lane."""
+    """floor_listen's loop on pglane's schema and SQL, as a consumer process on the bench lane of a
+    database of its own (bench_contract), so that it can listen while pglane's worker does."""
 
     name = "floor_listen_contract"
+    db = "contract"
 
     def worker(self, dsn: str, handler: str, lane: str = LANE) -> tuple[list[str], dict[str, str]]:
         return ["-m", "bench.floors", "listen-contract", dsn], {}

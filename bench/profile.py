@@ -272,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         pglane = Pglane()
         pglane.setup(server.dsn("pglane"))
         floors.setup(server.dsn("floor"))
+        floors.FloorListenContract().setup(server.dsn("contract"))
         dsn = server.dsn("pglane")
         loops: dict[str, Callable[[], float]] = {
             "floor_contract (sync)": lambda: floors.throughput(server, "floor_contract", args.jobs),
@@ -314,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
 
         out.append(f"5. wake latency over {args.wake_jobs} jobs (commit → handler start)")
         for system in (floors.FloorListen(), floors.FloorListenContract(), pglane):
-            stats = latency_ms(real.wake(server, system, args.wake_jobs, logs, f"profile wake: {system.name}"))
+            samples = real.wake(server, [system], args.wake_jobs, logs, f"profile wake: {system.name}")
+            stats = latency_ms(samples[system.name])
             out.append(f"  {system.name:<16} p50 {stats['p50_ms']:.2f}  p95 {stats['p95_ms']:.2f}"
                        f"  p99 {stats['p99_ms']:.2f} ms")
         progress("profile: claim plans")

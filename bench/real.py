@@ -7,10 +7,10 @@ transaction with the system's own batch API. The clock starts when that commit r
 and stops at the system's own record of its last completion (the database's now() of the completing
 transaction, same wall clock): process start-up is excluded, the wake-up is included.
 
-Wake latency: the consumer is idle and listening; jobs are enqueued one at a time (one commit each,
-through the system's own enqueue call), 25-35 ms apart, after 3 untimed warm-up jobs, in chunks:
-each system's samples come from several consumer runs interleaved with the other systems' runs, so
-machine noise hits all alike.
+Wake latency: every system's consumer runs at once, idle and listening, each on its own database;
+jobs are enqueued one at a time (one commit each, through the system's own enqueue call), 25-35 ms
+apart whichever system they go to, after 3 untimed warm-up jobs per system, in rounds of one job per
+system in a shuffled order: machine noise at any moment falls on all systems alike.
 Latency = the handler's time.time() at its first line (a stamp line) minus the producer's
 time.time() right after its enqueue call returned. The producer's clock is read after the commit's
 reply, so the figure slightly under-states commit→start by at most one reply's trip; the same bias
@@ -33,7 +33,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any, LiteralString
@@ -137,46 +137,75 @@ def throughput(server: BenchServer, system: RealSystem, n: int, logs: Path, time
 
 
 WARMUP_BASE = 1_000_000  # payload n of untimed warm-up jobs
+WAKE_GAP_S = (0.025, 0.035)  # spacing between two enqueues, whichever systems they go to
 
 
-async def _produce(system: RealSystem, dsn: str, count: int, label: str, stamps: Path) -> dict[int, float]:
-    """Enqueue WAKE_WARMUP untimed jobs and wait for the consumer to start them (first-job effects:
-    lazy imports, plan caches), then ``count`` timed jobs spaced 25-35 ms apart."""
-    committed: dict[int, float] = {}
+def _stamps(logs: Path, system: RealSystem) -> Path:
+    return logs / f"{system.name}.wake.stamps"
+
+
+async def _produce(systems: Sequence[RealSystem], dsns: dict[str, str], count: int, label: str,
+                   logs: Path) -> dict[str, dict[int, float]]:
+    """Enqueue WAKE_WARMUP untimed jobs to every system and wait for them to start (first-job
+    effects: lazy imports, plan caches); then ``count`` rounds, each one timed job per system in a
+    shuffled order, every enqueue 25-35 ms after the previous one (to any system)."""
+    committed: dict[str, dict[int, float]] = {s.name: {} for s in systems}
     rng = random.Random(7)
-    async with system.producer(dsn) as put:
+    async with contextlib.AsyncExitStack() as stack:
+        puts = {s.name: await stack.enter_async_context(s.producer(dsns[s.name])) for s in systems}
         for i in range(WAKE_WARMUP):
-            await put(WARMUP_BASE + i)
-            await asyncio.sleep(0.03)
+            for s in systems:
+                await puts[s.name](WARMUP_BASE + i)
+                await asyncio.sleep(0.03)
         deadline = time.monotonic() + 30.0
-        while len(procs.read_stamps(stamps)) < WAKE_WARMUP and time.monotonic() < deadline:
+        while (any(len(procs.read_stamps(_stamps(logs, s))) < WAKE_WARMUP for s in systems)
+               and time.monotonic() < deadline):
             await asyncio.sleep(0.01)
+        order = list(systems)
         for n in range(count):
-            await asyncio.sleep(0.025 + rng.random() * 0.01)
-            await put(n)
-            committed[n] = time.time()
-            if n % 20 == 0:
+            rng.shuffle(order)
+            for s in order:
+                await asyncio.sleep(rng.uniform(*WAKE_GAP_S))
+                await puts[s.name](n)
+                committed[s.name][n] = time.time()
+            if n % 10 == 0:
                 progress(f"{label} {n}/{count}")
     return committed
 
 
-def wake(server: BenchServer, system: RealSystem, count: int, logs: Path, label: str) -> list[float]:
-    """Seconds from enqueue commit to handler start of ``count`` jobs spaced apart, one consumer run."""
-    dsn = server.dsn(system.db)
-    stamps_file = logs / f"{system.name}.wake.stamps"
-    stamps_file.unlink(missing_ok=True)
-    args, env = system.worker(dsn, "stamp")
-    env = {**env, "BENCH_STAMPS": str(stamps_file)}
-    with _admin(server) as admin, psycopg.connect(dsn, autocommit=True) as conn:
-        system.reset(conn)
+def _stamped(path: Path, count: int) -> Callable[[], bool]:
+    return lambda: len(procs.read_stamps(path)) >= count
+
+
+def wake(server: BenchServer, systems: Sequence[RealSystem], count: int, logs: Path, label: str
+         ) -> dict[str, list[float]]:
+    """Seconds from enqueue commit to handler start of ``count`` jobs per system: every system's
+    consumer runs at once, idle and listening on its own database, and the jobs go round-robin in a
+    shuffled order, so that the machine's noise at any moment falls on all systems alike."""
+    dsns = {s.name: server.dsn(s.db) for s in systems}
+    assert len({s.db for s in systems}) == len(systems), "each consumer needs its own database"
+    with contextlib.ExitStack() as stack:
+        admin = stack.enter_context(_admin(server))
+        started: dict[str, Any] = {}
+        for s in systems:
+            _stamps(logs, s).unlink(missing_ok=True)
+            with psycopg.connect(dsns[s.name], autocommit=True) as conn:
+                s.reset(conn)
         quiesce(server.admin_dsn)
-        with procs.running(args, logs / f"{system.name}.log", env) as proc:
-            procs.wait_settled(admin, _dbname(system), proc)
-            committed = asyncio.run(_produce(system, dsn, count, label, stamps_file))
-            wait_until(lambda: len(procs.read_stamps(stamps_file)) >= count + WAKE_WARMUP, 30.0,
-                       f"{system.name} wake stamps")
-    started = procs.read_stamps(stamps_file)
-    return [started[n] - committed[n] for n in range(count)]
+        for s in systems:
+            args, env = s.worker(dsns[s.name], "stamp")
+            env = {**env, "BENCH_STAMPS": str(_stamps(logs, s))}
+            started[s.name] = stack.enter_context(procs.running(args, logs / f"{s.name}.log", env))
+        for s in systems:
+            procs.wait_settled(admin, _dbname(s), started[s.name])
+        committed = asyncio.run(_produce(systems, dsns, count, label, logs))
+        for s in systems:
+            wait_until(_stamped(_stamps(logs, s), count + WAKE_WARMUP), 30.0, f"{s.name} wake stamps")
+    samples = {}
+    for s in systems:
+        stamps = procs.read_stamps(_stamps(logs, s))
+        samples[s.name] = [stamps[n] - committed[s.name][n] for n in range(count)]
+    return samples
 
 
 # ----- cost per job ----------------------------------------------------------------------------

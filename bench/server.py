@@ -19,7 +19,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-DATABASES = ("pglane", "procrastinate", "pgqueuer", "floor")
+DATABASES = ("pglane", "procrastinate", "pgqueuer", "floor", "contract")
 REPORTED_SETTINGS = (
     "synchronous_commit", "fsync", "full_page_writes", "wal_sync_method", "shared_buffers", "work_mem",
     "max_wal_size", "checkpoint_timeout", "autovacuum", "shared_preload_libraries", "jit",

@@ -85,7 +85,7 @@ class Sizes:
             return Sizes(throughput_jobs=1500, repetitions=3, wake_jobs=120,
                          claim_cases=((1_000, 0), (100_000, 0), (1_000, 100_000)), claims_per_case=400,
                          takeover_kills=5, enqueue_jobs=800, bounded_backlog=100_000, cost_jobs=800)
-        return Sizes(throughput_jobs=5000, repetitions=5, wake_jobs=600,
+        return Sizes(throughput_jobs=5000, repetitions=5, wake_jobs=1000,
                      claim_cases=((1_000, 0), (100_000, 0), (1_000_000, 0), (1_000, 1_000_000)),
                      claims_per_case=1000, takeover_kills=7, enqueue_jobs=2000, bounded_backlog=100_000,
                      cost_jobs=2000)
