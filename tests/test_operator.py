@@ -133,6 +133,28 @@ def test_every_lane_state_has_its_next_safe_action(session: Any, conn: Any, lane
     assert lane_row(conn, lane)["next_safe_action"].startswith("backlog of lane brain is growing")
 
 
+def test_lane_status_counts_each_status_of_its_own_lane_only(session: Any, conn: Any, lane: str) -> None:
+    pglane.create_lane(conn, "other")
+    pglane.enqueue(conn, "other", {})  # another lane's job is counted there, not here
+    jobs = [pglane.enqueue(conn, lane, {"n": n}) for n in range(15)]
+    holder = hold_slot(session, lane)
+    # A different number of jobs in each status, so that no two counts can be swapped unseen.
+    want = {"done": 3, "failed": 2, "running": 1, "cancelled": 4, "queued": 5}
+    for _ in range(want["done"]):
+        assert holder.execute("SELECT pglane.complete(%s, '1')", (claim(holder, lane)["attempt_id"],)).fetchone()
+    for _ in range(want["failed"]):
+        assert holder.execute("SELECT pglane.fail(%s, 'boom')", (claim(holder, lane)["attempt_id"],)).fetchone()
+    claim(holder, lane)
+    for job in jobs[-want["cancelled"]:]:
+        assert pglane.cancel(conn, job)
+    states = [pglane.job_status(conn, j)["status"] for j in jobs]
+    assert {k: states.count(k) for k in want} == want
+    row = lane_row(conn, lane)
+    assert {k: row[k] for k in want} == want
+    other = lane_row(conn, "other")
+    assert {k: other[k] for k in want} == {"done": 0, "failed": 0, "running": 0, "cancelled": 0, "queued": 1}
+
+
 def test_queue_positions_count_from_one_in_service_order_under_concurrent_producers(
     dsn: str, conn: Any, lane: str
 ) -> None:
