@@ -33,11 +33,13 @@ def _apply_migrations(host: str, port: int, user: str, dbname: str, password: st
     schema.upgrade(make_conninfo(host=host, port=port, user=user, dbname=dbname, password=password))
 
 
+postgresql_proc: Callable[..., Any]  # a running server, or one named by PGLANE_TEST_DSN
 if os.environ.get("PGLANE_TEST_DSN"):
     _c = conninfo_to_dict(os.environ["PGLANE_TEST_DSN"])
     postgresql_proc = factories.postgresql_noproc(
-        host=str(_c.get("host", "127.0.0.1")), port=int(_c.get("port", 5432)), user=str(_c.get("user", "postgres")),
-        password=_c.get("password"), dbname="pglane_tests", load=[_apply_migrations])
+        host=str(_c.get("host", "127.0.0.1")), port=int(str(_c.get("port", 5432))),
+        user=str(_c.get("user", "postgres")), password=str(_c["password"]) if _c.get("password") else None,
+        dbname="pglane_tests", load=[_apply_migrations])
 else:
     _pg_ctl = str(pgbin.find_bindir() / f"pg_ctl{pgbin.EXE}")
     if pgbin.is_root():
@@ -73,7 +75,7 @@ def lane(conn: psycopg.Connection[dict[str, Any]]) -> str:
 
 
 @pytest.fixture
-def session(dsn: str) -> Callable[..., psycopg.Connection[dict[str, Any]]]:
+def session(dsn: str) -> Iterator[Callable[..., psycopg.Connection[dict[str, Any]]]]:
     """Open extra sessions (closed at teardown), e.g. to hold slot locks or race claims."""
     opened: list[psycopg.Connection[dict[str, Any]]] = []
 
@@ -83,7 +85,7 @@ def session(dsn: str) -> Callable[..., psycopg.Connection[dict[str, Any]]]:
         opened.append(c)
         return c
 
-    yield open_session  # type: ignore[misc]
+    yield open_session
     for c in opened:
         c.close()
 

@@ -98,7 +98,12 @@ def test_a_claim_check_never_lets_a_waiting_standby_in(session: Any, lane: str) 
     lid = lane_id(holder, lane)
     got = threading.Event()
     standby_pid = standby.info.backend_pid
-    thread = threading.Thread(target=lambda: (standby.execute("SELECT pg_advisory_lock(%s, 1)", (lid,)), got.set()))
+
+    def wait_for_slot() -> None:
+        standby.execute("SELECT pg_advisory_lock(%s, 1)", (lid,))
+        got.set()
+
+    thread = threading.Thread(target=wait_for_slot)
     thread.start()
     try:
         waiting_on_lock(holder, standby_pid)

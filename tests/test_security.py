@@ -259,18 +259,18 @@ def test_hostile_payloads_never_crash_a_worker(conn: Any, lane: str, workers: Wo
 
 
 def test_migrating_a_second_database_of_the_cluster_reuses_the_roles(dsn: str, conn: Any) -> None:
-    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+    from psycopg.conninfo import make_conninfo
 
     from pglane import schema
 
     conn.execute("DROP DATABASE IF EXISTS pglane_second")
     conn.execute("CREATE DATABASE pglane_second")
     try:
-        second = make_conninfo(**{**conninfo_to_dict(dsn), "dbname": "pglane_second"})
+        second = make_conninfo(dsn, dbname="pglane_second")
         schema.upgrade(second)
         with pglane.connect(second) as other:
             granted = other.execute("SELECT has_function_privilege('pglane_worker', 'pglane.claim(text,text)',"
-                                    " 'EXECUTE') AS ok").fetchone()["ok"]
-            assert granted
+                                    " 'EXECUTE') AS ok").fetchone()
+            assert granted is not None and granted["ok"]
     finally:
         conn.execute("DROP DATABASE IF EXISTS pglane_second WITH (FORCE)")

@@ -4,6 +4,7 @@ graceful stop, handler failures, timeouts. Real `pglane worker` subprocesses, re
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -29,6 +30,10 @@ def status(conn: Any, job: int) -> str:
     return str(pglane.job_status(conn, job)["status"])
 
 
+def done(conn: Any, job: int) -> Callable[[], bool]:
+    return lambda: status(conn, job) == "done"
+
+
 def start_delay(conn: Any, job: int) -> float:
     """Seconds from the job's commit to its start, on the database clock."""
     row = conn.execute("SELECT started_at - created_at AS d FROM pglane.jobs WHERE id = %s", (job,)).fetchone()
@@ -43,7 +48,7 @@ def test_an_idle_worker_starts_a_new_job_well_under_a_second_after_commit(
     delays = []
     for _ in range(3):
         job = pglane.enqueue(conn, lane, {})
-        wait_until(lambda j=job: status(conn, j) == "done", 10, "the job to run")
+        wait_until(done(conn, job), 10, "the job to run")
         delays.append(start_delay(conn, job))
         wait_idle(conn, lane)
     assert max(delays) < 1.0, delays  # a 30 s poll interval could not do this: only the NOTIFY can

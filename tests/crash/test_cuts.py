@@ -158,7 +158,8 @@ def test_a_busy_worker_recovers_a_dead_peers_attempt_periodically(
     orphan = pglane.enqueue(conn, "pair", {})
     peer = pglane.connect(dsn)  # a peer holding slot 2 claims a job
     peer.execute("SELECT pg_advisory_lock(id, 2) FROM pglane.lanes WHERE name = 'pair'")
-    assert peer.execute("SELECT job_id FROM pglane.claim('pair', 'peer')").fetchone()["job_id"] == orphan
+    claimed = peer.execute("SELECT job_id FROM pglane.claim('pair', 'peer')").fetchone()
+    assert claimed is not None and claimed["job_id"] == orphan
     busy = [pglane.enqueue(conn, "pair", {"sleep": 0.02}) for _ in range(400)]
     workers.start("pair", "tests.handlers:paid_call", "--recover-interval", "0.5")
     wait_until(lambda: len(ledger.calls()) >= 10, 20, "the worker to be busy")
