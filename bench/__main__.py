@@ -27,7 +27,7 @@ from . import floors, real, report
 from .peers import Pgqueuer, Procrastinate
 from .pglane_runs import Pglane, claim_latency, enqueue_throughput, takeover
 from .server import bench_server, postgres_info
-from .stats import Sizes, latency_ms, progress, progress_done, rotations, summary
+from .stats import Sizes, latency_ms, progress, progress_done, ratio_interval, rotations, summary
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PARTS = ("throughput", "wake", "claims", "takeover", "enqueue", "cost")
@@ -67,7 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     consumers: dict[str, real.RealSystem] = {s.name: s for s in (pglane, *peers)}
     results: dict[str, dict[str, Any]] = {name: {} for name in (*THROUGHPUT_ORDER, *(s.name for s in listeners))}
     doc: dict[str, Any] = {"mode": "quick" if args.quick else "full", "sizes": dataclasses.asdict(sizes),
-                           "results": results, "errors": {}, "machine": {"loadavg_start": os.getloadavg()}}
+                           "results": results, "errors": {}, "intervals": {},
+                           "machine": {"loadavg_start": os.getloadavg()}}
 
     with bench_server() as server:
         doc["postgres"] = postgres_info(server.admin_dsn)
@@ -104,6 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         def wake() -> None:
             systems = [pglane, *peers, *listeners]
             samples = real.wake(server, systems, sizes.wake_jobs, logs, "wake: round")
+            progress("wake: bootstrap interval of the p99 ratio")
+            doc["intervals"]["wake_p99 pglane/floor_listen"] = ratio_interval(
+                samples["pglane"], samples["floor_listen"], 99)
             for name, values in samples.items():
                 stats = latency_ms(values)
                 results[name].update({"wake_p50_ms": stats["p50_ms"], "wake_p95_ms": stats["p95_ms"],
@@ -140,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress_done()
 
     doc["ratios"] = report.ratios(doc)
-    doc["targets"] = report.verdicts(doc["ratios"])
+    doc["targets"] = report.verdicts(doc["ratios"], doc["intervals"])
     doc["wake_split"] = report.wake_split(doc)
     doc["elapsed_s"] = round(time.monotonic() - started, 1)
     doc["machine"]["loadavg_end"] = os.getloadavg()

@@ -88,13 +88,25 @@ def wake_split(doc: dict[str, Any]) -> dict[str, float | None]:
     return {name: _div(results.get(a, {}).get(key), results.get(b, {}).get(key)) for name, a, b, key in WAKE_SPLIT}
 
 
-def verdicts(values: dict[str, float | None]) -> dict[str, dict[str, Any]]:
+def verdicts(values: dict[str, float | None],
+             intervals: dict[str, tuple[float, float]] | None = None) -> dict[str, dict[str, Any]]:
+    """Each target met or not by its measured value; where the ratio has a bootstrap interval
+    (the wake p99), ``within_noise`` says whether the bound lies inside it, i.e. whether another run
+    on the same machine could as well have given the other verdict."""
     out: dict[str, dict[str, Any]] = {}
     for name, (what, op, bound) in TARGETS.items():
         value = values.get(name)
         met = None if value is None else {"<": value < bound, "<=": value <= bound, ">=": value >= bound}[op]
         out[name] = {"value": value, "target": f"{op} {bound:g}", "of": what, "met": met}
+        interval = (intervals or {}).get(name)
+        if interval is not None:
+            out[name].update({"interval_90": list(interval), "within_noise": interval[0] <= bound <= interval[1]})
     return out
+
+
+def _verdict(v: dict[str, Any]) -> str:
+    text = {True: "met", False: "**missed**", None: "-"}[v["met"]]
+    return text + (" (within noise: the interval spans the target)" if v.get("within_noise") else "")
 
 
 def _f(value: Any, digits: int = 2) -> str:
@@ -148,10 +160,11 @@ def markdown(doc: dict[str, Any]) -> str:
     if take:
         parts.append(f"takeover after SIGKILL: median {take['median']:.3f} s (range {take['min']:.3f}-"
                      f"{take['max']:.3f} s, {len(take['runs'])} kills)")
-    target_rows = [[name, _f(v["value"], 3), v["target"], v["of"],
-                    {True: "met", False: "**missed**", None: "-"}[v["met"]]]
+    target_rows = [[name, _f(v["value"], 3),
+                    "{:.2f}-{:.2f}".format(*v["interval_90"]) if v.get("interval_90") else "",
+                    v["target"], v["of"], _verdict(v)]
                    for name, v in doc.get("targets", {}).items()]
-    parts.append(_table(["ratio", "value", "target", "of", "verdict"], target_rows))
+    parts.append(_table(["ratio", "value", "90% interval", "target", "of", "verdict"], target_rows))
     split = doc.get("wake_split", {})
     if any(v is not None for v in split.values()):
         parts.append(_table(["where the wake latency goes", "ratio"], [[k, _f(v, 3)] for k, v in split.items()]))

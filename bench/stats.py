@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import statistics
 import sys
 import time
@@ -24,6 +25,18 @@ def percentile(values: Sequence[float], q: float) -> float:
 def latency_ms(seconds: Sequence[float]) -> dict[str, float]:
     ms = [s * 1000.0 for s in seconds]
     return {"p50_ms": percentile(ms, 50), "p95_ms": percentile(ms, 95), "p99_ms": percentile(ms, 99), "n": len(ms)}
+
+
+def ratio_interval(a: Sequence[float], b: Sequence[float], q: float, level: float = 0.90,
+                   rounds: int = 1000, seed: int = 1) -> tuple[float, float]:
+    """A bootstrap interval for percentile(a, q) / percentile(b, q): both sample sets are resampled
+    with replacement ``rounds`` times; the middle ``level`` of the ratios. It says how far a ratio of
+    tail percentiles can move by the luck of which few samples landed in the tail."""
+    rng = random.Random(seed)
+    found = sorted(percentile(rng.choices(a, k=len(a)), q) / percentile(rng.choices(b, k=len(b)), q)
+                   for _ in range(rounds))
+    tail = (1.0 - level) / 2.0
+    return percentile(found, 100.0 * tail), percentile(found, 100.0 * (1.0 - tail))
 
 
 def summary(runs: Sequence[float]) -> dict[str, Any]:
@@ -82,8 +95,8 @@ class Sizes:
     @staticmethod
     def choose(quick: bool) -> Sizes:
         if quick:
-            return Sizes(throughput_jobs=1500, repetitions=3, wake_jobs=120,
-                         claim_cases=((1_000, 0), (100_000, 0), (1_000, 100_000)), claims_per_case=400,
+            return Sizes(throughput_jobs=1500, repetitions=3, wake_jobs=240,
+                         claim_cases=((1_000, 0), (100_000, 0), (1_000, 100_000)), claims_per_case=1000,
                          takeover_kills=5, enqueue_jobs=800, bounded_backlog=100_000, cost_jobs=800)
         return Sizes(throughput_jobs=5000, repetitions=5, wake_jobs=1000,
                      claim_cases=((1_000, 0), (100_000, 0), (1_000_000, 0), (1_000, 1_000_000)),
