@@ -108,6 +108,12 @@ class LockSession:
         OperationalError when the connection is gone (that is how a dead session is noticed)."""
         return sum(1 for _ in self.conn.notifies(timeout=0)) > 0
 
+    def forget_wakes(self) -> None:
+        """Consume the NOTIFY that wait_for_wake() returned on, once a statement has run since
+        (the claim): that statement read it off the socket into psycopg's backlog, from where this
+        takes it without polling the socket. Otherwise the next wait would return at once for it."""
+        self._drain_notifies()
+
     async def _readable(self, timeout: float | None = None) -> bool:
         """Wait until the socket has something to read (a NOTIFY, an error, EOF); False on timeout
         or interrupt(). One future, one reader and one timer: this is the wake-up path."""
@@ -136,10 +142,14 @@ class LockSession:
             self._waiting.set_result(False)
 
     async def wait_for_wake(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for a NOTIFY on the lane; True if one came."""
+        """Wait up to ``timeout`` seconds for a NOTIFY on the lane; True if one came, or may have:
+        the socket became readable. What arrived is left unread, so that the claim goes first on the
+        wake-up path (reading it here cost more than the rest of the worker's Python together); the
+        claim reads it (or raises OperationalError if it was the connection's end), and the caller
+        then calls forget_wakes()."""
         if self._drain_notifies():  # received during an earlier statement
             return True
-        return await self._readable(timeout) and self._drain_notifies()
+        return await self._readable(timeout)
 
     async def watch(self) -> None:
         """Consume notifications until the connection fails; raises OperationalError then.

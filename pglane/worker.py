@@ -283,6 +283,7 @@ class Worker:
             if self._done():
                 return
             job = self._claim(session)
+            session.forget_wakes()  # after the claim: the wake-up path runs the claim first
 
     async def _idle(self, session: LockSession) -> None:
         """Wait for a NOTIFY, the poll interval, the next recovery, the end of life, or a stop."""

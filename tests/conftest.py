@@ -8,9 +8,11 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -204,3 +206,24 @@ def slot_holder(conn: psycopg.Connection[dict[str, Any]], lane: str) -> list[int
 
 def worker_backend_pids(conn: psycopg.Connection[dict[str, Any]], lane: str) -> list[int]:
     return slot_holder(conn, lane)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def scrape(port: int, lane: str = "brain") -> dict[str, float]:
+    """The worker's pglane_* metrics of ``lane`` (histograms by bucket); empty until it serves."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+            text = response.read().decode()
+    except OSError:
+        return {}
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("pglane_") and f'lane="{lane}"' in line:
+            name, _, value = line.rpartition(" ")
+            values[name.split("{")[0] + ("" if "le=" not in name else name[name.index("le="):])] = float(value)
+    return values

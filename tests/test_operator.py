@@ -3,9 +3,7 @@ from the database clock; bounded lanes; retry and cancel only where allowed; pru
 
 from __future__ import annotations
 
-import socket
 import threading
-import urllib.request
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -13,7 +11,7 @@ import psycopg
 import pytest
 
 import pglane
-from tests.conftest import Workers, wait_until
+from tests.conftest import Workers, free_port, scrape, wait_until
 
 
 def action(conn: Any, job: int) -> str:
@@ -377,27 +375,6 @@ def test_the_queue_gauges_count_this_lanes_queued_and_running_jobs_only(conn: An
     # brain: 3 enqueued, 2 claimed, the second completed; other: 2 queued, 1 running (not counted here)
     assert (row["queued"], row["running"]) == (1, 1)
     assert row["oldest"] >= 0
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def scrape(port: int, lane: str = "brain") -> dict[str, float]:
-    """The worker's pglane_* metrics of ``lane`` (histograms by bucket); empty until it serves."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
-            text = response.read().decode()
-    except OSError:
-        return {}
-    values = {}
-    for line in text.splitlines():
-        if line.startswith("pglane_") and f'lane="{lane}"' in line:
-            name, _, value = line.rpartition(" ")
-            values[name.split("{")[0] + ("" if "le=" not in name else name[name.index("le="):])] = float(value)
-    return values
 
 
 def test_the_metrics_endpoint_is_scraped_over_http(conn: Any, lane: str, workers: Workers) -> None:

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pglane
-from tests.conftest import Workers, wait_until
+from tests.conftest import Workers, free_port, scrape, wait_until
 
 ROLES = ("producer", "worker", "operator", "nobody")
 
@@ -122,8 +122,6 @@ def test_a_worker_process_logged_in_as_a_worker_role_runs_jobs_and_reports_its_g
     as_role: Callable[[str], Any], dsn: str, conn: Any, lane: str, workers: Workers
 ) -> None:
     from psycopg.conninfo import make_conninfo
-
-    from tests.test_operator import free_port, scrape
 
     conn.execute("DO $$ BEGIN CREATE ROLE pglane_test_login LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$")
     conn.execute("GRANT pglane_worker TO pglane_test_login")

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import pglane
-from tests.conftest import Ledger, Workers, slot_holder, wait_until
+from tests.conftest import Ledger, Workers, free_port, scrape, slot_holder, wait_until
 
 
 def wait_idle(conn: Any, lane: str) -> int:
@@ -52,6 +52,25 @@ def test_an_idle_worker_starts_a_new_job_well_under_a_second_after_commit(
         delays.append(start_delay(conn, job))
         wait_idle(conn, lane)
     assert max(delays) < 1.0, delays  # a 30 s poll interval could not do this: only the NOTIFY can
+
+
+def test_a_wake_up_costs_one_claim_and_one_fused_completion_not_an_extra_empty_claim(
+    conn: Any, lane: str, workers: Workers
+) -> None:
+    port = free_port()
+    workers.start(lane, "tests.handlers:paid_call", "--poll-interval", "60", "--recover-interval", "3600",
+                  "--metrics-port", str(port))
+    wait_idle(conn, lane)
+    claims = "pglane_claim_latency_seconds_count"  # every claim() and complete_and_claim() round trip
+    before = wait_until(lambda: scrape(port).get(claims), 20, "the metrics endpoint")
+    for n in range(3):
+        job = pglane.enqueue(conn, lane, {"n": n})
+        wait_until(done(conn, job), 10, "the job to run")
+        wait_idle(conn, lane)
+    # The NOTIFY that woke the worker is consumed after its claim, so it cannot wake it a second time
+    # (the wait covers the last fused completion's metric being recorded just after its round trip).
+    wait_until(lambda: scrape(port)[claims] - before >= 2 * 3, 10, "the last round trip's metric")
+    assert scrape(port)[claims] - before == 2 * 3
 
 
 def test_jobs_queued_before_any_worker_listens_are_drained_when_one_starts(
