@@ -1,5 +1,7 @@
 -- Views for operators: the state of every lane and job, and the next safe action, from one query.
 -- Everything is computed from the database clock (now()), never a worker's.
+-- CREATE OR REPLACE keeps the grants of revision 0002 when a later revision re-applies this file; a
+-- change to a view's columns other than adding one at the end needs its own DROP in that revision.
 
 -- lane_consumers: how many sessions hold a slot of the lane right now (session advisory locks).
 CREATE OR REPLACE FUNCTION pglane.lane_consumers(p_lane_id integer, p_slots integer) RETURNS integer
@@ -10,8 +12,7 @@ LANGUAGE sql STABLE AS $$
        AND k.classid = p_lane_id::oid AND k.objid::bigint BETWEEN 1 AND p_slots;
 $$;
 
-DROP VIEW IF EXISTS pglane.lane_status;
-CREATE VIEW pglane.lane_status AS
+CREATE OR REPLACE VIEW pglane.lane_status AS
 WITH counts AS (
     SELECT j.lane,
            count(*) FILTER (WHERE j.status = 'queued') AS queued,
@@ -69,13 +70,14 @@ SELECT b.lane, b.slots, b.consumers, b.queued, b.running, b.done, b.failed, b.ca
        END AS next_safe_action
   FROM base b;
 
-DROP VIEW IF EXISTS pglane.job_status;
-CREATE VIEW pglane.job_status AS
+-- queue_position counts the lane's queued jobs through the queue index (q.in_queue), so it costs
+-- the backlog, not the history.
+CREATE OR REPLACE VIEW pglane.job_status AS
 SELECT j.id AS job_id, j.lane, j.status, j.created_at, j.run_after, j.started_at, j.finished_at,
        (j.status = 'queued' AND greatest(j.created_at, j.run_after) < now() - l.waiting_grace) AS waiting_for_worker,
        CASE WHEN j.status = 'queued' THEN
            (SELECT count(*) FROM pglane.jobs q
-             WHERE q.lane = j.lane AND q.status = 'queued'
+             WHERE q.lane = j.lane AND q.in_queue
                AND CASE WHEN j.run_after <= now()
                         THEN q.run_after <= now() AND (q.created_at, q.id) <= (j.created_at, j.id)
                         ELSE q.run_after <= now() OR (q.run_after, q.created_at, q.id) <= (j.run_after, j.created_at, j.id)

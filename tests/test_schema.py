@@ -46,6 +46,22 @@ def test_migrate_down_to_empty_and_up_again(dsn: str, conn: Any) -> None:
     assert pglane.enqueue(conn, "again", {}) == 1
 
 
+@pytest.mark.parametrize("revision", ["0001", "0002", "0003", "0004"])
+def test_a_fresh_database_migrated_to_an_older_revision_runs_a_job(dsn: str, conn: Any, revision: str) -> None:
+    # Every revision applies today's sql/: before 0003 with jobs.in_queue spelled as its status test.
+    schema.downgrade(dsn)
+    schema.upgrade(dsn, revision)
+    assert schema.current_revision(conn) == revision
+    conn.execute("INSERT INTO pglane.lanes (name) VALUES ('old')")
+    job = conn.execute("SELECT pglane.enqueue('old', '{}') AS id").fetchone()["id"]
+    take_slot(conn, "old")
+    claimed = claim(conn, "old")
+    assert claimed is not None and claimed["job_id"] == job
+    assert conn.execute("SELECT pglane.complete(%s, '1') AS ok", (claimed["attempt_id"],)).fetchone()["ok"]
+    assert conn.execute("SELECT status, queue_position FROM pglane.job_status WHERE job_id = %s",
+                        (job,)).fetchone() == {"status": "done", "queue_position": None}
+
+
 def test_alembic_version_table_lives_in_the_pglane_schema(conn: Any) -> None:
     row = conn.execute("SELECT to_regclass('pglane.alembic_version') AS inside,"
                        " to_regclass('public.alembic_version') AS outside").fetchone()
@@ -77,6 +93,32 @@ def test_the_claim_uses_the_queue_index_whatever_the_history(conn: Any, lane: st
         assert claim(conn, lane) is not None
         after = conn.execute(scans).fetchone()
     assert (after["queue"] - before["queue"], after["seq"] - before["seq"]) == (1, 0)
+
+
+def test_a_queued_jobs_position_is_counted_through_the_queue_index_whatever_the_history(
+    conn: Any, lane: str
+) -> None:
+    conn.execute("INSERT INTO pglane.jobs (lane, payload) SELECT 'brain', '{}' FROM generate_series(1, 2000)")
+    conn.execute("UPDATE pglane.jobs SET status = 'done' WHERE id <= 1990")
+    conn.execute("ANALYZE pglane.jobs")
+    scans = ("SELECT pg_stat_get_xact_numscans('pglane.jobs_queue'::regclass) AS queue,"
+             " pg_stat_get_xact_numscans('pglane.jobs'::regclass) AS seq")
+    with conn.transaction():
+        before = conn.execute(scans).fetchone()
+        row = conn.execute("SELECT queue_position FROM pglane.job_status WHERE job_id = 1995").fetchone()
+        after = conn.execute(scans).fetchone()
+    assert row["queue_position"] == 5
+    assert (after["queue"] - before["queue"], after["seq"] - before["seq"]) == (1, 0)
+
+
+def test_upgrading_from_0004_keeps_the_roles_grants_on_the_views(dsn: str, conn: Any) -> None:
+    grants = ("SELECT has_table_privilege('pglane_producer', 'pglane.job_status', 'SELECT') AS producer,"
+              " has_table_privilege('pglane_operator', 'pglane.lane_status', 'SELECT') AS operator,"
+              " has_table_privilege('pglane_worker', 'pglane.job_status', 'SELECT') AS worker")
+    schema.downgrade(dsn, "0004")
+    assert conn.execute(grants).fetchone() == {"producer": True, "operator": True, "worker": False}
+    schema.upgrade(dsn)
+    assert conn.execute(grants).fetchone() == {"producer": True, "operator": True, "worker": False}
 
 
 def index_predicates(conn: Any, table: str) -> dict[str, str | None]:

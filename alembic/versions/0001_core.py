@@ -15,8 +15,10 @@ Invariants kept here, next to the state they protect:
 - (job_id, attempt_number) is unique, and the job's latest attempt is the one whose number equals
   jobs.attempts: the guard of complete() and fail().
 
-Function bodies live in sql/ and are applied from there (pglane.schema.apply_sql). A later revision
-that changes a function re-applies sql/; one that changes a table does it in its own file.
+Function bodies live in sql/ and are applied from there (pglane.schema.sql_text). A later revision
+that changes a function re-applies sql/; one that changes a table does it in its own file. This
+revision applies today's sql/, with the column jobs.in_queue (added by 0003) spelled as the status
+test it is generated from, so that a fresh database can stop at any revision.
 """
 
 from alembic import op
@@ -119,8 +121,8 @@ ALTER TABLE pglane.attempts SET (fillfactor = 90);
 
 def upgrade() -> None:
     op.execute(TABLES)
-    for name in SQL_FILES:
-        op.execute(sql_text(name))
+    for name in SQL_FILES:  # today's sql/, with jobs.in_queue (0003) spelled as what it is generated from
+        op.execute(sql_text(name, before_in_queue=True))
 
 
 def downgrade() -> None:

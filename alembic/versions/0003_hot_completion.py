@@ -35,9 +35,8 @@ branch_labels = None
 depends_on = None
 
 # The sql/ files whose functions name jobs.in_queue: re-applied here (CREATE OR REPLACE keeps grants).
+# views.sql names it too, since 0005, which re-applies it.
 USES_IN_QUEUE = ("lanes.sql", "claim.sql")
-IN_QUEUE = "j.in_queue"
-BEFORE_0003 = "j.status = 'queued'"
 
 
 def upgrade() -> None:
@@ -67,7 +66,4 @@ def downgrade() -> None:
         """
     )
     for name in USES_IN_QUEUE:
-        text = sql_text(name)
-        if IN_QUEUE not in text:  # sql/ changed since: this downgrade no longer knows the 0002 text
-            raise RuntimeError(f"sql/{name} no longer names {IN_QUEUE}; revision 0003's downgrade needs updating")
-        op.execute(text.replace(IN_QUEUE, BEFORE_0003))
+        op.execute(sql_text(name, before_in_queue=True))
