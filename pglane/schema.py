@@ -43,6 +43,8 @@ def migrations_dir() -> Path:
 
 # jobs.in_queue (revision 0003) is generated as status = 'queued'; a revision before 0003 applies sql/
 # with the column spelled out as that test (in views, which are checked when created, it must be).
+# sql/ names the column through a one-letter table alias (j.in_queue, q.in_queue); a fresh database
+# migrated to each older revision proves it (tests/test_schema.py).
 _IN_QUEUE = re.compile(r"\b([a-z])\.in_queue\b")
 
 
