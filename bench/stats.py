@@ -95,8 +95,8 @@ class Sizes:
     @staticmethod
     def choose(quick: bool) -> Sizes:
         if quick:
-            return Sizes(throughput_jobs=1500, repetitions=3, wake_jobs=240,
-                         claim_cases=((1_000, 0), (100_000, 0), (1_000, 100_000)), claims_per_case=1000,
+            return Sizes(throughput_jobs=1500, repetitions=3, wake_jobs=200,
+                         claim_cases=((1_000, 0), (100_000, 0), (1_000, 100_000)), claims_per_case=800,
                          takeover_kills=5, enqueue_jobs=800, bounded_backlog=100_000, cost_jobs=800)
         return Sizes(throughput_jobs=5000, repetitions=5, wake_jobs=1000,
                      claim_cases=((1_000, 0), (100_000, 0), (1_000_000, 0), (1_000, 1_000_000)),
