@@ -44,9 +44,9 @@ class Metrics:
         self.queue_depth = gauge("pglane_queue_depth", "queued jobs of the lane (eligible or not)")
         self.oldest_queued = gauge("pglane_oldest_queued_age_seconds", "age of the lane's oldest queued job")
         self.running = gauge("pglane_running_jobs", "running jobs of the lane, all workers")
-        self.done = prom.Counter("pglane_jobs_done", "jobs this worker completed", labels,
+        self.done = prom.Counter("pglane_jobs_done", "results this worker stored", labels,
                                  registry=self.registry).labels(lane)
-        self.failed = prom.Counter("pglane_jobs_failed", "attempts this worker failed or timed out", labels,
+        self.failed = prom.Counter("pglane_jobs_failed", "attempts this worker recorded failed or timed out", labels,
                                    registry=self.registry).labels(lane)
         self.duration = prom.Histogram(
             "pglane_attempt_duration_seconds", "handler time per attempt", labels, registry=self.registry,
@@ -57,10 +57,6 @@ class Metrics:
             buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5)).labels(lane)
         self.server, self.thread = prom.start_http_server(port, addr=addr, registry=self.registry)
         log.info("metrics on http://%s:%s/metrics", addr, port)
-
-    def attempt(self, seconds: float, ok: bool) -> None:
-        self.duration.observe(seconds)
-        (self.done if ok else self.failed).inc()
 
     async def refresh_forever(self, dsn: str, every: float = 5.0) -> None:
         """Read the lane's queue gauges until cancelled; database errors only delay the next reading."""

@@ -326,7 +326,7 @@ class Worker:
             self._write(session, job, _hung(self._hard_timeout))
             self._recycle_hung(job)
         if self._metrics is not None:
-            self._metrics.attempt(time.monotonic() - started, outcome.error is None)
+            self._metrics.duration.observe(time.monotonic() - started)
         if outcome.error is not None:
             log.info("attempt %s of job %s %s: %s", job.attempt_id, job.id,
                      "timed out" if outcome.timed_out else "failed", _first_line(RuntimeError(outcome.error)))
@@ -377,11 +377,11 @@ class Worker:
                 self._pending = (job, outcome)
             else:
                 self._pending = None
-                self._log_refused(job, accepted)
+                self._written(job, accepted, ok=True)
                 return
         row = session.conn.execute(queries.FAIL, (job.attempt_id, outcome.error, outcome.timed_out)).fetchone()
         self._pending = None
-        self._log_refused(job, bool((row or {}).get("fail")))
+        self._written(job, bool((row or {}).get("fail")), ok=False)
 
     def _write_and_claim(self, session: LockSession, job: Job, outcome: Outcome) -> Job | None:
         if outcome.result_json is None:
@@ -404,10 +404,14 @@ class Worker:
         if self._metrics is not None:
             self._metrics.claim_latency.observe(time.perf_counter() - started)
         assert row is not None
-        self._log_refused(job, bool(row["completed"]))
+        self._written(job, bool(row["completed"]), ok=True)
         return _job(row)
 
-    def _log_refused(self, job: Job, accepted: bool) -> None:
+    def _written(self, job: Job, accepted: bool, *, ok: bool) -> None:
+        """An outcome reached the database: counted, if the guard accepted it, as what was written (a
+        result the database could not store was written as a failure); logged if the guard refused it."""
+        if self._metrics is not None and accepted:
+            (self._metrics.done if ok else self._metrics.failed).inc()
         if not accepted:
             log.warning("outcome of attempt %s of job %s refused: a newer attempt exists or the job was "
                         "finished elsewhere; nothing was overwritten", job.attempt_id, job.id)

@@ -166,9 +166,10 @@ class Workers:
         self.procs.append(proc)
         return proc
 
-    def start_holder_and_standby(self, conn: Any, lane: str) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes]]:
+    def start_holder_and_standby(self, conn: Any, lane: str, *holder_args: str
+                                 ) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes]]:
         """Two workers on a one-slot lane: the first holds the slot, the second waits as a standby."""
-        holder = self.start(lane)
+        holder = self.start(lane, "tests.handlers:paid_call", *holder_args)
         wait_until(lambda: slot_holder(conn, lane), 20, "the first worker's slot")
         standby = self.start(lane)
         wait_until(lambda: "standby" in self.log(standby), 20, "the second worker to wait as a standby")

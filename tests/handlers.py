@@ -67,6 +67,13 @@ def not_json(job: Job) -> Any:
     return {"when": object()}
 
 
+def unstorable(job: Job) -> Any:
+    """A JSON result that jsonb refuses (a NUL character): the database cannot store it."""
+    _record("start", job)
+    _record("end", job)
+    return {"text": "a\x00b"}
+
+
 def noop(job: Job) -> Any:
     return None
 

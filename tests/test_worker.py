@@ -244,6 +244,20 @@ def test_a_result_that_is_not_json_fails_the_attempt_and_says_why(conn: Any, lan
     assert "not JSON-serialisable" in pglane.attempts(conn, job)[0]["error"]
 
 
+def test_a_result_the_database_cannot_store_fails_the_attempt_and_counts_as_failed(
+    conn: Any, lane: str, workers: Workers
+) -> None:
+    port = free_port()
+    jobs = [pglane.enqueue(conn, lane, {}) for _ in range(2)]
+    workers.start(lane, "tests.handlers:unstorable", "--metrics-port", str(port))
+    wait_until(lambda: all(status(conn, j) == "failed" for j in jobs), 20, "both attempts to fail")
+    for job in jobs:  # the lane went on after the first
+        assert pglane.attempts(conn, job)[0]["error"].startswith("the result could not be stored: ")
+    counted = wait_until(lambda: (m := scrape(port)) and m.get("pglane_jobs_failed_total") == 2 and m, 10,
+                         "the failures to be counted")
+    assert counted["pglane_jobs_done_total"] == 0
+
+
 def test_an_async_handler_is_awaited(conn: Any, lane: str, workers: Workers) -> None:
     job = pglane.enqueue(conn, lane, {"sleep": 0.1})
     workers.start(lane, "tests.handlers:async_paid_call")

@@ -14,7 +14,7 @@ import psycopg
 import pytest
 
 import pglane
-from tests.conftest import ROOT, Ledger, Workers, slot_holder, wait_until
+from tests.conftest import ROOT, Ledger, Workers, free_port, scrape, slot_holder, wait_until
 from tests.crash.conftest import check_invariants, drained
 
 
@@ -65,8 +65,9 @@ def test_with_a_standby_a_cut_lock_session_hands_over_and_no_new_call_overlaps(
     check_invariants(conn, lane, [job, *later], ledger)
 
 
-def freeze_and_hand_over(conn: Any, lane: str, workers: Workers, ledger: Ledger) -> tuple[Any, int, int]:
-    frozen, _ = workers.start_holder_and_standby(conn, lane)
+def freeze_and_hand_over(conn: Any, lane: str, workers: Workers, ledger: Ledger,
+                         *frozen_args: str) -> tuple[Any, int, int]:
+    frozen, _ = workers.start_holder_and_standby(conn, lane, *frozen_args)
     job = pglane.enqueue(conn, lane, {"sleep": 1.0})
     wait_until(lambda: job in ledger.calls(), 20, "the call")
     attempt = ledger.attempts_of("start")[-1]
@@ -99,12 +100,16 @@ def test_a_frozen_workers_late_result_never_overwrites_a_newer_attempt(
     conn: Any, workers: Workers, ledger: Ledger
 ) -> None:
     pglane.create_lane(conn, "retrying", job_timeout=20, max_attempts=2)
-    frozen, job, _ = freeze_and_hand_over(conn, "retrying", workers, ledger)
+    port = free_port()
+    frozen, job, _ = freeze_and_hand_over(conn, "retrying", workers, ledger, "--metrics-port", str(port))
     wait_until(lambda: pglane.job_status(conn, job)["status"] == "done", 30, "the second attempt")
     fresh = pglane.result(conn, job)
     frozen.send_signal(signal.SIGCONT)
     wait_until(lambda: "refused" in Workers.log(frozen), 20, "the zombie's completion to be refused")
     assert pglane.result(conn, job) == fresh
+    # The refused outcome is counted neither done nor failed by the zombie.
+    counted = scrape(port, "retrying")
+    assert (counted["pglane_jobs_done_total"], counted["pglane_jobs_failed_total"]) == (0, 0)
     assert [a["status"] for a in pglane.attempts(conn, job)] == ["lost", "done"]
     assert fresh["seq"] == 2
 
