@@ -205,6 +205,19 @@ def slot_holder(conn: psycopg.Connection[dict[str, Any]], lane: str) -> list[int
     return [r["pid"] for r in rows]
 
 
+def wait_session_gone(conn: psycopg.Connection[dict[str, Any]], pid: int) -> None:
+    """Wait until backend ``pid`` has exited: the evidence recovery needs that its session is gone."""
+    wait_until(lambda: not conn.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone(),
+               10, f"session {pid} to end")
+
+
+def terminate(conn: psycopg.Connection[dict[str, Any]], pid: int) -> None:
+    """End another session from the server side (what keepalives do to a silent peer, sooner)."""
+    row = conn.execute("SELECT pg_terminate_backend(%s) AS ok", (pid,)).fetchone()
+    assert row is not None and row["ok"]
+    wait_session_gone(conn, pid)
+
+
 def worker_backend_pids(conn: psycopg.Connection[dict[str, Any]], lane: str) -> list[int]:
     return slot_holder(conn, lane)
 

@@ -11,7 +11,7 @@ import psycopg
 import pytest
 
 import pglane
-from tests.conftest import Workers, free_port, scrape, wait_until
+from tests.conftest import Workers, free_port, scrape, wait_session_gone, wait_until
 
 
 def action(conn: Any, job: int) -> str:
@@ -276,8 +276,7 @@ def test_max_queued_holds_for_jobs_coming_back_to_the_queue(session: Any, conn: 
     pglane.enqueue(conn, lane, {})
     pid = holder.info.backend_pid
     holder.close()  # the backend exits a moment later: recovery needs the evidence that it is gone
-    wait_until(lambda: conn.execute("SELECT count(*) AS n FROM pg_stat_activity WHERE pid = %s", (pid,)
-                                    ).fetchone()["n"] == 0, 10, "the session to be gone")
+    wait_session_gone(conn, pid)
     assert pglane.recover(conn, lane) == 1
     job = pglane.job_status(conn, lost["job_id"])
     assert job["status"] == "failed" and job["attempt_status"] == "lost"

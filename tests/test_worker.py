@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import pglane
-from tests.conftest import Ledger, Workers, free_port, scrape, slot_holder, wait_until
+from tests.conftest import Ledger, Workers, free_port, scrape, slot_holder, terminate, wait_until
 
 
 def wait_idle(conn: Any, lane: str) -> int:
@@ -90,7 +90,7 @@ def test_a_missed_notification_costs_at_most_one_poll_interval(conn: Any, lane: 
     conn.execute("ALTER TABLE pglane.jobs DISABLE TRIGGER jobs_after_insert")
     job = pglane.enqueue(conn, lane, {})
     conn.execute("ALTER TABLE pglane.jobs ENABLE TRIGGER jobs_after_insert")
-    wait_until(lambda: status(conn, job) == "done", 10 * poll, "the poll to pick the job up")
+    wait_until(done(conn, job), 10 * poll, "the poll to pick the job up")
     # One poll interval, plus slack for a loaded machine: far below the 30 s recovery interval,
     # the other timer that would have found it.
     assert start_delay(conn, job) < 1.5 * poll
@@ -102,12 +102,10 @@ def test_a_worker_whose_session_was_cut_listens_again_after_it_reconnects(
     poll = 60.0
     proc = workers.start(lane, "tests.handlers:paid_call", "--poll-interval", str(poll))
     first = wait_idle(conn, lane)
-    conn.execute("SELECT pg_terminate_backend(%s)", (first,))
-    wait_until(lambda: not conn.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (first,)).fetchone(),
-               10, "the cut session to end")
+    terminate(conn, first)
     second = wait_idle(conn, lane)
     job = pglane.enqueue(conn, lane, {})
-    wait_until(lambda: status(conn, job) == "done", 20, "the job to run")
+    wait_until(done(conn, job), 20, "the job to run")
     assert start_delay(conn, job) < poll / 10  # only a NOTIFY on the new session can do this
     assert slot_holder(conn, lane) == [second] and Workers.log(proc).count("holding slot 1") == 2
 

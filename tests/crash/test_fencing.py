@@ -14,14 +14,8 @@ import psycopg
 import pytest
 
 import pglane
-from tests.conftest import ROOT, Ledger, Workers, free_port, scrape, slot_holder, wait_until
+from tests.conftest import ROOT, Ledger, Workers, free_port, scrape, slot_holder, terminate, wait_until
 from tests.crash.conftest import check_invariants, drained
-
-
-def terminate(conn: Any, pid: int) -> None:
-    assert conn.execute("SELECT pg_terminate_backend(%s) AS ok", (pid,)).fetchone()["ok"]
-    wait_until(lambda: not conn.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone(),
-               10, "the session to end")
 
 
 def worker_of(conn: Any, attempt: int) -> str:
