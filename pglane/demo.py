@@ -68,13 +68,21 @@ def _database(dsn: str | None, data_dir: str | None) -> Iterator[str]:
         yield embedded_dsn
 
 
-def _worker(dsn: str, lane: str, ledger: Path) -> subprocess.Popen[bytes]:
+def _worker(dsn: str, lane: str, ledger: Path, workers: list[subprocess.Popen[bytes]]) -> None:
+    """Start a worker process; its log goes to a file beside the ledger, shown if the demo fails."""
     env = dict(os.environ, PGLANE_DSN=dsn, **{LEDGER_ENV: str(ledger)})
-    return subprocess.Popen(
-        [sys.executable, "-m", "pglane", "worker", lane, "--handler", "pglane.demo:paid_call",
-         "--poll-interval", "1"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    with open(ledger.with_name(f"worker-{len(workers) + 1}.log"), "wb") as log:
+        workers.append(subprocess.Popen(
+            [sys.executable, "-m", "pglane", "worker", lane, "--handler", "pglane.demo:paid_call",
+             "--poll-interval", "1"],
+            env=env, stdout=subprocess.DEVNULL, stderr=log,
+        ))
+
+
+def _show_worker_logs(ledger: Path) -> None:
+    for log in sorted(ledger.parent.glob("worker-*.log")):
+        print(f"--- {log.name} (last 20 lines) ---", *log.read_text(errors="replace").splitlines()[-20:],
+              sep="\n", file=sys.stderr)
 
 
 def run_demo(dsn: str | None = None, data_dir: str | None = None) -> int:
@@ -93,6 +101,9 @@ def run_demo(dsn: str | None = None, data_dir: str | None = None) -> int:
                 _scene_serve(conn, db, lane, ledger, workers)
                 _scene_crash(conn, db, lane, ledger, workers)
                 _scene_operator(conn, lane)
+        except Exception:
+            _show_worker_logs(ledger)
+            raise
         finally:
             for w in workers:
                 if w.poll() is None:
@@ -111,7 +122,7 @@ def _bill(ledger: Path) -> list[str]:
 
 def _scene_serve(conn: Any, db: str, lane: str, ledger: Path, workers: list[subprocess.Popen[bytes]]) -> None:
     _say("\n== 1. one worker, one slot, a slow paid call ==")
-    workers.append(_worker(db, lane, ledger))
+    _worker(db, lane, ledger, workers)
     ids = [client.enqueue(conn, lane, {"q": f"question {n}"}, key=f"request-{n}") for n in range(1, 4)]
     again = client.enqueue(conn, lane, {"q": "question 2"}, key="request-2")
     _say(f"enqueued jobs {ids}; the repeated request-2 returned job {again} again: no second job, no second bill")
@@ -124,15 +135,15 @@ def _scene_serve(conn: Any, db: str, lane: str, ledger: Path, workers: list[subp
 
 def _scene_crash(conn: Any, db: str, lane: str, ledger: Path, workers: list[subprocess.Popen[bytes]]) -> None:
     _say("\n== 2. the worker dies in the middle of a paid call ==")
+    before = len(_bill(ledger))  # read before the enqueue: an idle worker may bill within a millisecond of it
     job = client.enqueue(conn, lane, {"q": "an expensive question", "seconds": 15}, key="request-expensive")
-    before = len(_bill(ledger))
     _wait_for(lambda: len(_bill(ledger)) > before, 30, "the paid call to start")
     victim = workers[-1]
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     _say(f"job {job} was in its paid call; worker pid {victim.pid} killed with SIGKILL")
     _say(f"  the database says: job {client.job_status(conn, job)['status']} (nobody has looked yet)")
-    workers.append(_worker(db, lane, ledger))
+    _worker(db, lane, ledger, workers)
     _wait_for(lambda: client.job_status(conn, job)["status"] != "running", 30, "the new worker's recovery")
     row = client.job_status(conn, job)
     attempt = client.attempts(conn, job)[-1]
