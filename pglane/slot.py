@@ -109,9 +109,11 @@ class LockSession:
         return sum(1 for _ in self.conn.notifies(timeout=0)) > 0
 
     def forget_wakes(self) -> None:
-        """Consume the NOTIFY that wait_for_wake() returned on, once a statement has run since
-        (the claim): that statement read it off the socket into psycopg's backlog, from where this
-        takes it without polling the socket. Otherwise the next wait would return at once for it."""
+        """Consume the NOTIFY that wait_for_wake() returned on, once a claim has run since and found
+        a job: the claim read it into psycopg's backlog, from where this takes it (and whatever else
+        has arrived). Otherwise the next wait would return at once for it. Never after a claim that
+        found nothing: a NOTIFY read with that claim may be for a job committed after its snapshot,
+        and only the next wait, returning at once, keeps that job from waiting for the poll."""
         self._drain_notifies()
 
     async def _readable(self, timeout: float | None = None) -> bool:
@@ -146,7 +148,7 @@ class LockSession:
         the socket became readable. What arrived is left unread, so that the claim goes first on the
         wake-up path (reading it here cost more than the rest of the worker's Python together); the
         claim reads it (or raises OperationalError if it was the connection's end), and the caller
-        then calls forget_wakes()."""
+        then calls forget_wakes() if that claim found a job."""
         if self._drain_notifies():  # received during an earlier statement
             return True
         return await self._readable(timeout)

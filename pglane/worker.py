@@ -10,7 +10,10 @@ the lane, LISTEN, drain the queue, and wait for a wake-up or the poll interval. 
   outcome, releases the slot and exits 0: a stop never cuts a call off. If the database is unreachable
   then, it does not wait for it: it logs the statement that stores the outcome and exits 69;
 - a handler still running at the hard timeout (it ignored cancellation, or it is sync) gets its
-  attempt recorded timed_out and the process ends with EXIT_HUNG, because a thread cannot be killed.
+  attempt recorded timed_out and the process ends with EXIT_HUNG, because a thread cannot be killed;
+- no NOTIFY is dropped unanswered: one is forgotten only after a claim that found a job (another claim
+  follows before any wait); one read during an empty claim may announce a job committed after that
+  claim's snapshot, so it ends the next wait at once. A lost one would cost a poll interval.
 How it breaks: if the slot session dies during a call, another worker may take the slot and start
 the next job while this call finishes; this call's result is then still accepted under the
 late-result rule, and the one-slot promise resumes once this worker is a standby.
@@ -283,7 +286,11 @@ class Worker:
             if self._done():
                 return
             job = self._claim(session)
-            session.forget_wakes()  # after the claim: the wake-up path runs the claim first
+            if job is not None:
+                # Only now may the wake-up be forgotten: the loop claims again before it waits, so a
+                # NOTIFY read with it is answered by that claim. After an empty claim, one read with
+                # it may be for a job committed after its snapshot: it stays, and ends the next wait.
+                session.forget_wakes()
 
     async def _idle(self, session: LockSession) -> None:
         """Wait for a NOTIFY, the poll interval, the next recovery, the end of life, or a stop."""

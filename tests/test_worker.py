@@ -3,13 +3,18 @@ graceful stop, handler failures, timeouts. Real `pglane worker` subprocesses, re
 
 from __future__ import annotations
 
+import asyncio
 import signal
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 import pglane
+from pglane.job import Job
+from pglane.slot import LockSession
+from pglane.worker import Worker, WorkerOptions
 from tests.conftest import Ledger, Workers, free_port, scrape, slot_holder, terminate, wait_until
 
 
@@ -71,6 +76,52 @@ def test_a_wake_up_costs_one_claim_and_one_fused_completion_not_an_extra_empty_c
     # (the wait covers the last fused completion's metric being recorded just after its round trip).
     wait_until(lambda: scrape(port)[claims] - before >= 2 * 3, 10, "the last round trip's metric")
     assert scrape(port)[claims] - before == 2 * 3
+
+
+class JobJustAfterAnEmptyClaim(Worker):
+    """A worker in this process that, once armed, commits a job right after a claim that found
+    nothing, and lets that job's NOTIFY reach its connection before it goes back to waiting: the
+    instant at which the notification could be taken for the one that woke the empty claim."""
+
+    def __init__(self, dsn: str, lane: str) -> None:
+        super().__init__(dsn, lane, lambda job: None, WorkerOptions(poll_interval=60, recover_interval=3600))
+        self.armed = threading.Event()
+        self.job: int | None = None
+
+    def _claim(self, session: LockSession) -> Job | None:
+        job = super()._claim(session)
+        if job is None and self.armed.is_set():
+            self.armed.clear()
+            with pglane.connect(self.dsn) as other:
+                self.job = pglane.enqueue(other, self.lane_name, {})
+            session.conn.execute("SELECT 1")  # the job's NOTIFY has now reached this connection
+        return job
+
+
+def test_a_job_committed_just_after_an_empty_claim_still_wakes_the_worker(
+    conn: Any, dsn: str, lane: str
+) -> None:
+    worker = JobJustAfterAnEmptyClaim(dsn, lane)
+    loops: list[asyncio.AbstractEventLoop] = []
+
+    async def serve() -> int:
+        loops.append(asyncio.get_running_loop())
+        return await worker.main()
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
+    thread.start()
+    try:
+        wait_idle(conn, lane)
+        worker.armed.set()
+        # A wake-up with nothing to claim (as when another slot's worker took the job first).
+        conn.execute("SELECT pg_notify('pglane_' || id, '') FROM pglane.lanes WHERE name = %s", (lane,))
+        job = wait_until(lambda: worker.job, 10, "the empty claim")
+        wait_until(done(conn, job), 20, "the job to run")
+        assert start_delay(conn, job) < 6  # not the 60 s poll: its NOTIFY was not taken for the old one
+    finally:
+        loops[0].call_soon_threadsafe(worker.stop)
+        thread.join(20)
+    assert not thread.is_alive()
 
 
 def test_jobs_queued_before_any_worker_listens_are_drained_when_one_starts(
