@@ -45,7 +45,7 @@ def start_delay(conn: Any, job: int) -> float:
     return float(row["d"].total_seconds())
 
 
-def test_an_idle_worker_starts_a_new_job_well_under_a_second_after_commit(
+def test_an_idle_worker_is_woken_by_the_commit_not_by_its_poll(
     conn: Any, lane: str, workers: Workers
 ) -> None:
     workers.start(lane, "tests.handlers:paid_call", "--poll-interval", "30")
@@ -56,7 +56,9 @@ def test_an_idle_worker_starts_a_new_job_well_under_a_second_after_commit(
         wait_until(done(conn, job), 10, "the job to run")
         delays.append(start_delay(conn, job))
         wait_idle(conn, lane)
-    assert max(delays) < 1.0, delays  # a 30 s poll interval could not do this: only the NOTIFY can
+    # A 30 s poll interval could not do this: only the NOTIFY can. (The bench measures how fast: about
+    # a millisecond. The bound here leaves room for a stalled commit on a loaded machine.)
+    assert max(delays) < 5.0, delays
 
 
 def test_a_wake_up_costs_one_claim_and_one_fused_completion_not_an_extra_empty_claim(
@@ -134,16 +136,16 @@ def test_jobs_queued_before_any_worker_listens_are_drained_when_one_starts(
 
 
 def test_a_missed_notification_costs_at_most_one_poll_interval(conn: Any, lane: str, workers: Workers) -> None:
-    poll = 2.0
-    workers.start(lane, "tests.handlers:paid_call", "--poll-interval", str(poll))
+    poll = 4.0
+    workers.start(lane, "tests.handlers:paid_call", "--poll-interval", str(poll), "--recover-interval", "3600")
     wait_idle(conn, lane)
     # Insert without the trigger's NOTIFY: as if the notification were lost.
     conn.execute("ALTER TABLE pglane.jobs DISABLE TRIGGER jobs_after_insert")
     job = pglane.enqueue(conn, lane, {})
     conn.execute("ALTER TABLE pglane.jobs ENABLE TRIGGER jobs_after_insert")
     wait_until(done(conn, job), 10 * poll, "the poll to pick the job up")
-    # One poll interval, plus slack for a loaded machine: far below the 30 s recovery interval,
-    # the other timer that would have found it.
+    # One poll interval, plus slack for a loaded machine (recovery, the other timer that would have
+    # found it, is an hour away).
     assert start_delay(conn, job) < 1.5 * poll
 
 
@@ -174,8 +176,12 @@ def test_a_standby_takes_over_when_the_active_worker_is_killed_and_calls_never_o
     wait_until(lambda: all(status(conn, j) in ("done", "failed") for j in jobs), 30, "every job to finish")
     ledger.assert_one_call_at_a_time()
     statuses = [status(conn, j) for j in jobs]
-    assert statuses.count("failed") <= 1  # only the call cut by SIGKILL, if one was running
-    assert sorted(ledger.calls()) == jobs  # nothing was called twice
+    failed = {j for j, s in zip(jobs, statuses, strict=True) if s == "failed"}
+    assert len(failed) <= 1  # only the job claimed by the killed worker, if it had claimed one
+    calls = ledger.calls()
+    assert len(calls) == len(set(calls))  # nothing was called twice
+    # Every job that is done was called; the cut one may have died before its call began.
+    assert set(jobs) - failed <= set(calls) <= set(jobs)
     assert second.poll() is None
 
 
@@ -198,7 +204,9 @@ def test_two_workers_started_at_once_on_a_one_slot_lane_never_run_two_calls_at_o
     wait_until(lambda: all(status(conn, j) == "done" for j in jobs), 30, "every job")
     ledger.assert_one_call_at_a_time()
     assert len(slot_holder(conn, lane)) == 1
-    assert sum("standby" in Workers.log(p) for p in procs) == 1
+    # The later starter may log that it waits as a standby only after the jobs are done.
+    wait_until(lambda: sum("standby" in Workers.log(p) for p in procs) == 1, 20, "one standby")
+    assert sum("holding slot" in Workers.log(p) for p in procs) == 1
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
@@ -224,7 +232,8 @@ def test_a_stop_while_the_database_is_unreachable_logs_how_to_store_the_outcome(
 
     database = sql.Identifier(conn.info.dbname)
     proc = workers.start(lane)
-    job = pglane.enqueue(conn, lane, {"sleep": 1.0, "result": {"paid": "it's done"}})
+    # The call outlasts the set-up below, so the session is cut during it, even on a loaded machine.
+    job = pglane.enqueue(conn, lane, {"sleep": 3.0, "result": {"paid": "it's done"}})
     wait_until(lambda: ledger.calls() == [job], 20, "the call to start")
     admin = pglane.connect(make_conninfo(dsn, dbname="postgres"))  # a database cannot close itself
     admin.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS false").format(database))
@@ -258,9 +267,9 @@ def test_max_jobs_recycles_the_worker_with_exit_0_after_the_current_job(
 def test_max_lifetime_reached_during_a_call_finishes_the_call_first(
     conn: Any, lane: str, workers: Workers, ledger: Ledger
 ) -> None:
-    job = pglane.enqueue(conn, lane, {"sleep": 2.0})
+    job = pglane.enqueue(conn, lane, {"sleep": 4.0})
     waiting = pglane.enqueue(conn, lane, {})
-    proc = workers.start(lane, "tests.handlers:paid_call", "--max-lifetime", "1")
+    proc = workers.start(lane, "tests.handlers:paid_call", "--max-lifetime", "2")  # slow start-up: room
     assert proc.wait(30) == 0
     assert ledger.calls() == [job]  # the call outlived the lifetime and was not cut off
     assert (status(conn, job), status(conn, waiting)) == ("done", "queued")
@@ -334,7 +343,8 @@ def test_a_handler_ignoring_cancellation_cannot_hold_the_slot_past_the_hard_time
     assert proc.wait(30) == 75  # recycled: a supervisor restarts it
     attempt = pglane.attempts(conn, job)[0]
     assert attempt["status"] == "timed_out" and "hard timeout" in attempt["error"]
-    assert slot_holder(conn, "hung") == []
+    # The process exited without unlocking: the slot frees when its backend notices and exits.
+    wait_until(lambda: slot_holder(conn, "hung") == [], 10, "the slot to be released")
 
 
 def test_a_sync_handler_that_hangs_is_timed_out_and_the_process_recycled(conn: Any, workers: Workers) -> None:
