@@ -94,7 +94,8 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--name", help="worker name recorded on attempts (default: host:pid)")
     w.add_argument("--recover-interval", type=_seconds, default=30.0,
                    help="how often the slot holder recovers attempts whose worker is gone (default 30)")
-    w.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
+    w.add_argument("--metrics-port", type=int,
+                   help="serve Prometheus metrics on 127.0.0.1:PORT (0: a free port, logged at start)")
 
     st = sub.add_parser("status", help="one row per lane, with the next safe action")
     st.add_argument("--json", action="store_true")

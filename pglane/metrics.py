@@ -56,7 +56,7 @@ class Metrics:
             registry=self.registry,
             buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5)).labels(lane)
         self.server, self.thread = prom.start_http_server(port, addr=addr, registry=self.registry)
-        log.info("metrics on http://%s:%s/metrics", addr, port)
+        log.info("metrics on http://%s:%s/metrics", addr, self.server.server_port)  # port 0: the one chosen
 
     async def refresh_forever(self, dsn: str, every: float = 5.0) -> None:
         """Read the lane's queue gauges until cancelled; database errors only delay the next reading."""

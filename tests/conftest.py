@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -222,10 +222,11 @@ def worker_backend_pids(conn: psycopg.Connection[dict[str, Any]], lane: str) -> 
     return slot_holder(conn, lane)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+def metrics_port(proc: subprocess.Popen[bytes]) -> int:
+    """The port a worker started with ``--metrics-port 0`` took, from its log (no race for a port)."""
+    found = wait_until(lambda: re.search(r"metrics on http://[^:]+:(\d+)/metrics", Workers.log(proc)), 20,
+                       "the worker to log its metrics port")
+    return int(found.group(1))
 
 
 def scrape(port: int, lane: str = "brain") -> dict[str, float]:

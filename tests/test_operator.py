@@ -11,7 +11,7 @@ import psycopg
 import pytest
 
 import pglane
-from tests.conftest import Workers, free_port, scrape, wait_session_gone, wait_until
+from tests.conftest import Workers, metrics_port, scrape, wait_session_gone, wait_until
 
 
 def action(conn: Any, job: int) -> str:
@@ -377,11 +377,10 @@ def test_the_queue_gauges_count_this_lanes_queued_and_running_jobs_only(conn: An
 
 
 def test_the_metrics_endpoint_is_scraped_over_http(conn: Any, lane: str, workers: Workers) -> None:
-    port = free_port()
     for _ in range(3):
         pglane.enqueue(conn, lane, {"sleep": 0.01})
     pglane.enqueue(conn, lane, {"fail": "boom"})
-    workers.start(lane, "tests.handlers:paid_call", "--metrics-port", str(port))
+    port = metrics_port(workers.start(lane, "tests.handlers:paid_call", "--metrics-port", "0"))
     metrics = wait_until(lambda: (m := scrape(port)) and m.get("pglane_jobs_done_total") == 3
                          and m.get("pglane_jobs_failed_total") == 1 and m, 20, "metrics")
     assert metrics["pglane_slot_held"] == 1

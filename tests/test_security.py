@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pglane
-from tests.conftest import Workers, free_port, scrape, wait_until
+from tests.conftest import Workers, metrics_port, scrape, wait_until
 
 ROLES = ("producer", "worker", "operator", "nobody")
 
@@ -128,9 +128,9 @@ def test_a_worker_process_logged_in_as_a_worker_role_runs_jobs_and_reports_its_g
     long_call = pglane.enqueue(conn, lane, {"sleep": 60})
     for _ in range(2):
         pglane.enqueue(conn, lane, {})
-    port = free_port()
-    workers.start(lane, "tests.handlers:paid_call", "--metrics-port", str(port),
-                  env={"PGLANE_DSN": make_conninfo(dsn, user="pglane_test_login")})
+    proc = workers.start(lane, "tests.handlers:paid_call", "--metrics-port", "0",
+                         env={"PGLANE_DSN": make_conninfo(dsn, user="pglane_test_login")})
+    port = metrics_port(proc)
     wait_until(lambda: pglane.job_status(conn, long_call)["status"] == "running", 20, "the worker's first claim")
     metrics = wait_until(lambda: (m := scrape(port)) and m.get("pglane_running_jobs") == 1 and m, 20, "the gauges")
     assert metrics["pglane_queue_depth"] == 2

@@ -15,7 +15,7 @@ import pglane
 from pglane.job import Job
 from pglane.slot import LockSession
 from pglane.worker import Worker, WorkerOptions
-from tests.conftest import Ledger, Workers, free_port, scrape, slot_holder, terminate, wait_until
+from tests.conftest import Ledger, Workers, metrics_port, scrape, slot_holder, terminate, wait_until
 
 
 def wait_idle(conn: Any, lane: str) -> int:
@@ -64,9 +64,9 @@ def test_an_idle_worker_is_woken_by_the_commit_not_by_its_poll(
 def test_a_wake_up_costs_one_claim_and_one_fused_completion_not_an_extra_empty_claim(
     conn: Any, lane: str, workers: Workers
 ) -> None:
-    port = free_port()
-    workers.start(lane, "tests.handlers:paid_call", "--poll-interval", "60", "--recover-interval", "3600",
-                  "--metrics-port", str(port))
+    proc = workers.start(lane, "tests.handlers:paid_call", "--poll-interval", "60", "--recover-interval", "3600",
+                         "--metrics-port", "0")
+    port = metrics_port(proc)
     wait_idle(conn, lane)
     claims = "pglane_claim_latency_seconds_count"  # every claim() and complete_and_claim() round trip
     before = wait_until(lambda: scrape(port).get(claims), 20, "the metrics endpoint")
@@ -305,9 +305,8 @@ def test_a_result_that_is_not_json_fails_the_attempt_and_says_why(conn: Any, lan
 def test_a_result_the_database_cannot_store_fails_the_attempt_and_counts_as_failed(
     conn: Any, lane: str, workers: Workers
 ) -> None:
-    port = free_port()
     jobs = [pglane.enqueue(conn, lane, {}) for _ in range(2)]
-    workers.start(lane, "tests.handlers:unstorable", "--metrics-port", str(port))
+    port = metrics_port(workers.start(lane, "tests.handlers:unstorable", "--metrics-port", "0"))
     wait_until(lambda: all(status(conn, j) == "failed" for j in jobs), 20, "both attempts to fail")
     for job in jobs:  # the lane went on after the first
         assert pglane.attempts(conn, job)[0]["error"].startswith("the result could not be stored: ")

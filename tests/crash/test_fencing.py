@@ -14,7 +14,7 @@ import psycopg
 import pytest
 
 import pglane
-from tests.conftest import ROOT, Ledger, Workers, free_port, scrape, slot_holder, terminate, wait_until
+from tests.conftest import ROOT, Ledger, Workers, metrics_port, scrape, slot_holder, terminate, wait_until
 from tests.crash.conftest import check_invariants, drained
 
 
@@ -62,7 +62,7 @@ def test_with_a_standby_a_cut_lock_session_hands_over_and_no_new_call_overlaps(
 def freeze_and_hand_over(conn: Any, lane: str, workers: Workers, ledger: Ledger,
                          *frozen_args: str) -> tuple[Any, int, int]:
     frozen, _ = workers.start_holder_and_standby(conn, lane, *frozen_args)
-    job = pglane.enqueue(conn, lane, {"sleep": 1.0})
+    job = pglane.enqueue(conn, lane, {"sleep": 3.0})  # long enough to be stopped in, on a loaded machine
     wait_until(lambda: job in ledger.calls(), 20, "the call")
     attempt = ledger.attempts_of("start")[-1]
     frozen.send_signal(signal.SIGSTOP)
@@ -94,8 +94,8 @@ def test_a_frozen_workers_late_result_never_overwrites_a_newer_attempt(
     conn: Any, workers: Workers, ledger: Ledger
 ) -> None:
     pglane.create_lane(conn, "retrying", job_timeout=20, max_attempts=2)
-    port = free_port()
-    frozen, job, _ = freeze_and_hand_over(conn, "retrying", workers, ledger, "--metrics-port", str(port))
+    frozen, job, _ = freeze_and_hand_over(conn, "retrying", workers, ledger, "--metrics-port", "0")
+    port = metrics_port(frozen)
     wait_until(lambda: pglane.job_status(conn, job)["status"] == "done", 30, "the second attempt")
     fresh = pglane.result(conn, job)
     frozen.send_signal(signal.SIGCONT)
@@ -111,9 +111,9 @@ def test_a_frozen_workers_late_result_never_overwrites_a_newer_attempt(
 def test_a_stuck_attempt_is_reported_never_handed_over_and_ended_only_on_request(
     dsn: str, conn: Any, workers: Workers, ledger: Ledger
 ) -> None:
-    pglane.create_lane(conn, "short", job_timeout=1, lease_timeout=2)
+    pglane.create_lane(conn, "short", job_timeout=3, lease_timeout=4)
     frozen = workers.start("short")
-    job = pglane.enqueue(conn, "short", {"sleep": 0.5})
+    job = pglane.enqueue(conn, "short", {"sleep": 2.5})  # long enough to be stopped in, on a loaded machine
     wait_until(lambda: job in ledger.calls(), 20, "the call")
     frozen.send_signal(signal.SIGSTOP)  # hung, with its session still connected
     try:
