@@ -263,4 +263,8 @@ def _check(conn: Any, args: argparse.Namespace) -> int:
             grace = "" if args.stop_grace is None else f", stop grace {args.stop_grace:g}s"
             print(f"lane {lane['name']}: ok (job {lane['job_timeout']:g}s <= worker {worker:g}s < lease "
                   f"{lane['lease_timeout']:g}s{grace})")
+        if args.stop_grace is None:  # owned by the process manager: pglane cannot read it
+            print(f"lane {lane['name']}: R3 not checked: give --stop-grace S, your process manager's stop grace "
+                  f"period (systemd TimeoutStopSec, Kubernetes terminationGracePeriodSeconds); it must be at "
+                  f"least {worker:g}s, the worker timeout, or a deploy can cut a call off")
     return 1 if broken else 0

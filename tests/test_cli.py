@@ -98,6 +98,11 @@ def test_check_names_the_rule_that_breaks(dsn: str, conn: Any) -> None:
     assert slow_worker.returncode == 1 and "R2 worker timeout < lease_timeout" in slow_worker.stdout
     fast_worker = run("check", "--worker-timeout", "100", dsn=dsn)
     assert fast_worker.returncode == 1 and "R2 job_timeout <= worker timeout" in fast_worker.stdout
+    unknown_grace = run("check", dsn=dsn)  # R3 needs the process manager's number: never a silent "ok"
+    assert unknown_grace.returncode == 0
+    assert "lane research: R3 not checked: give --stop-grace S" in unknown_grace.stdout
+    assert "at least 620s" in unknown_grace.stdout
+    assert "R3 not checked" not in ok.stdout
 
 
 def test_migrate_command_reports_the_revision(dsn: str) -> None:
