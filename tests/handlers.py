@@ -61,6 +61,15 @@ async def ignores_cancellation(job: Job) -> Any:
     return {"job": job.id}
 
 
+async def slow_first(job: Job) -> Any:
+    """Overruns any job timeout on its first attempt (cancellable), answers at once on the next."""
+    _record("start", job)
+    if job.attempt_number == 1:
+        await asyncio.sleep(60)
+    _record("end", job)
+    return {"attempt": job.attempt_number}
+
+
 def not_json(job: Job) -> Any:
     _record("start", job)
     _record("end", job)

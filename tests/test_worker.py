@@ -296,10 +296,12 @@ def test_a_handler_that_raises_fails_its_attempt_and_the_lane_goes_on(
 
 
 def test_a_result_that_is_not_json_fails_the_attempt_and_says_why(conn: Any, lane: str, workers: Workers) -> None:
-    job = pglane.enqueue(conn, lane, {})
-    workers.start(lane, "tests.handlers:not_json")
-    wait_until(lambda: status(conn, job) == "failed", 20, "the job to fail")
-    assert "not JSON-serialisable" in pglane.attempts(conn, job)[0]["error"]
+    jobs = [pglane.enqueue(conn, lane, {}) for _ in range(2)]
+    proc = workers.start(lane, "tests.handlers:not_json")
+    wait_until(lambda: all(status(conn, j) == "failed" for j in jobs), 20, "both jobs to fail")
+    for job in jobs:  # the lane went on after the first
+        assert "not JSON-serialisable" in pglane.attempts(conn, job)[0]["error"]
+    assert proc.poll() is None
 
 
 def test_a_result_the_database_cannot_store_fails_the_attempt_and_counts_as_failed(
@@ -333,6 +335,38 @@ def test_a_handler_past_its_job_timeout_is_recorded_timed_out(conn: Any, workers
     assert status(conn, slow) == "failed"
 
 
+def test_on_an_at_least_once_lane_a_timed_out_attempt_is_queued_again_and_runs_once_more(
+    conn: Any, workers: Workers, ledger: Ledger
+) -> None:
+    pglane.create_lane(conn, "quick", job_timeout=1, lease_timeout=3, max_attempts=2, retry_backoff=0)
+    job = pglane.enqueue(conn, "quick", {})
+    workers.start("quick", "tests.handlers:slow_first")
+    wait_until(done(conn, job), 20, "the second attempt")
+    assert [a["status"] for a in pglane.attempts(conn, job)] == ["timed_out", "done"]
+    assert pglane.result(conn, job) == {"attempt": 2}
+    assert ledger.calls() == [job, job]
+
+
+def test_an_idle_worker_recovers_an_attempt_whose_session_is_gone_on_its_timer(
+    conn: Any, session: Callable[..., Any], workers: Workers
+) -> None:
+    pglane.create_lane(conn, "pair", slots=2, job_timeout=20)
+    proc = workers.start("pair", "tests.handlers:paid_call", "--poll-interval", "60", "--recover-interval", "1")
+    wait_idle(conn, "pair")
+    # Another consumer (any language) on slot 2 claims a job, then its session ends mid-call. Enqueue
+    # and claim commit together, so the idle worker's wake-up finds nothing to take.
+    other = session(autocommit=False)
+    other.execute("SELECT pg_advisory_lock(id, 2) FROM pglane.lanes WHERE name = 'pair'")
+    job = pglane.enqueue(other, "pair", {})
+    assert other.execute("SELECT job_id FROM pglane.claim('pair', 'elsewhere')").fetchone()["job_id"] == job
+    other.commit()
+    other.close()
+    # Nothing wakes the idle worker for a minute but its recovery timer.
+    wait_until(lambda: status(conn, job) == "failed", 15, "the idle worker's recovery")
+    assert [a["status"] for a in pglane.attempts(conn, job)] == ["lost"]
+    assert "recovered 1 attempt(s) of lane pair" in Workers.log(proc)
+
+
 def test_a_handler_ignoring_cancellation_cannot_hold_the_slot_past_the_hard_timeout(
     conn: Any, workers: Workers
 ) -> None:
@@ -349,9 +383,13 @@ def test_a_handler_ignoring_cancellation_cannot_hold_the_slot_past_the_hard_time
 def test_a_sync_handler_that_hangs_is_timed_out_and_the_process_recycled(conn: Any, workers: Workers) -> None:
     pglane.create_lane(conn, "stuck", job_timeout=1, lease_timeout=3)
     job = pglane.enqueue(conn, "stuck", {"sleep": 60})
+    after = pglane.enqueue(conn, "stuck", {})
     proc = workers.start("stuck", "tests.handlers:paid_call")
     assert proc.wait(30) == 75
     assert pglane.attempts(conn, job)[0]["status"] == "timed_out"
+    workers.start("stuck", "tests.handlers:paid_call")  # the supervisor restarts it: the lane goes on
+    wait_until(done(conn, after), 20, "the next job")
+    assert status(conn, job) == "failed"
 
 
 def test_the_worker_refuses_to_start_when_its_timeout_contradicts_the_lane(lane: str, workers: Workers) -> None:

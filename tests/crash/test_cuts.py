@@ -125,7 +125,7 @@ def test_on_an_at_least_once_lane_a_lost_attempt_is_queued_again_and_runs_once_m
 ) -> None:
     pglane.create_lane(conn, "retrying", job_timeout=20, max_attempts=2)
     victim = workers.start("retrying")
-    job = pglane.enqueue(conn, "retrying", {"sleep": 0.5})
+    job = pglane.enqueue(conn, "retrying", {"sleep": 3.0})  # killed in the call, even on a loaded machine
     wait_until(lambda: job in ledger.calls(), 20, "the call")
     kill(victim)
     workers.start("retrying")

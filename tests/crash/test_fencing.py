@@ -26,7 +26,7 @@ def test_a_cut_lock_session_stops_claims_and_the_worker_reconnects_and_delivers(
     conn: Any, lane: str, workers: Workers, ledger: Ledger
 ) -> None:
     proc = workers.start(lane)
-    job = pglane.enqueue(conn, lane, {"sleep": 1.0})
+    job = pglane.enqueue(conn, lane, {"sleep": 3.0})  # the cut lands in the call, even on a loaded machine
     wait_until(lambda: job in ledger.calls(), 20, "the call")
     terminate(conn, slot_holder(conn, lane)[0])
     later = [pglane.enqueue(conn, lane, {}) for _ in range(3)]
@@ -42,7 +42,7 @@ def test_with_a_standby_a_cut_lock_session_hands_over_and_no_new_call_overlaps(
     conn: Any, lane: str, workers: Workers, ledger: Ledger
 ) -> None:
     first, second = workers.start_holder_and_standby(conn, lane)
-    job = pglane.enqueue(conn, lane, {"sleep": 1.5})
+    job = pglane.enqueue(conn, lane, {"sleep": 3.0})  # the cut lands in the call, even on a loaded machine
     wait_until(lambda: job in ledger.calls(), 20, "the call")
     cut = time.monotonic_ns()
     terminate(conn, slot_holder(conn, lane)[0])
@@ -106,6 +106,7 @@ def test_a_frozen_workers_late_result_never_overwrites_a_newer_attempt(
     assert (counted["pglane_jobs_done_total"], counted["pglane_jobs_failed_total"]) == (0, 0)
     assert [a["status"] for a in pglane.attempts(conn, job)] == ["lost", "done"]
     assert fresh["seq"] == 2
+    check_invariants(conn, "retrying", [job], ledger, at_most_once=False)
 
 
 def test_a_stuck_attempt_is_reported_never_handed_over_and_ended_only_on_request(
@@ -132,7 +133,13 @@ def test_a_stuck_attempt_is_reported_never_handed_over_and_ended_only_on_request
         assert [a["status"] for a in pglane.attempts(conn, job)] == ["lost"]
     finally:
         frozen.send_signal(signal.SIGCONT)
+    # Thawed, it finds its session ended and delivers its outcome, whichever of its clocks ran out first:
+    # a late result (accepted), a job time-out (refused: the attempt was ended as lost), or the hard
+    # time-out (refused too, and the process exits 75). Then it holds the slot again, or has exited.
+    wait_until(lambda: frozen.poll() is not None or Workers.log(frozen).count("holding slot 1") == 2, 20,
+               "the thawed worker to settle")
     assert ledger.calls().count(job) == 1
+    check_invariants(conn, "short", [job], ledger)
 
 
 def test_a_lock_timeout_inside_complete_rolls_back_cleanly(session: Any, lane: str) -> None:
