@@ -21,6 +21,15 @@ def run(*args: str, dsn: str | None = None, timeout: float = 120) -> subprocess.
                           timeout=timeout, cwd=ROOT)
 
 
+def test_dsn_may_follow_the_command_and_then_wins(dsn: str, tmp_path: Any) -> None:
+    created = run("lane", "create", "after", "--dsn", dsn)
+    assert created.returncode == 0, created.stderr
+    unreachable = f"host={tmp_path} port=1 dbname=none connect_timeout=2"
+    listed = run("--dsn", unreachable, "status", "--json", "--dsn", dsn)
+    assert listed.returncode == 0, listed.stderr
+    assert [row["lane"] for row in json.loads(listed.stdout)] == ["after"]
+
+
 def test_a_missing_dsn_is_one_line_that_says_how_to_fix_it() -> None:
     done = run("status")
     assert done.returncode == 2

@@ -132,8 +132,10 @@ def test_a_committed_insert_notifies_the_lane_once_per_transaction(dsn: str, ses
         producer.execute("INSERT INTO pglane.jobs (lane, payload) SELECT 'brain', '{}' FROM generate_series(1, 1000)")
         for n in range(5):
             pglane.enqueue(producer, lane, {"n": n})
+        assert count_jobs(listener) == 0  # nothing is visible, to a worker either, before the commit
     notes = list(listener.notifies(timeout=1.0))
     assert [(n.channel, n.payload) for n in notes] == [(f"pglane_{lane_id}", "")]
+    assert count_jobs(listener) == 1005
 
 
 def test_a_rolled_back_enqueue_leaves_no_row_and_wakes_nobody(session: Any, lane: str) -> None:

@@ -248,6 +248,7 @@ def test_a_stop_while_the_database_is_unreachable_logs_how_to_store_the_outcome(
         admin.close()
     assert [j for event, j, _, _ in ledger.events() if event == "end"] == [job]  # paid and answered
     line = next(line for line in workers.log(proc).splitlines() if "is not stored" in line)
+    assert " ERROR pglane.worker[" in line
     statement = line[line.index("SELECT pglane.complete("):]
     assert pglane.recover(conn, lane) == 1
     assert conn.execute(statement).fetchone()["complete"] is True
