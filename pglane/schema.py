@@ -20,7 +20,7 @@ from psycopg.rows import tuple_row
 
 from .errors import SchemaError
 
-HEAD = "0005"
+HEAD = "0006"
 SQL_FILES = ("lanes.sql", "enqueue.sql", "claim.sql", "recover.sql", "history.sql", "views.sql")
 
 _PACKAGE = Path(__file__).resolve().parent

@@ -174,6 +174,7 @@ $$;
 -- Same guard as complete for a running attempt. The job goes back to the queue after the lane's
 -- retry_backoff (doubling per attempt, capped at one hour) while attempts remain, else it is failed;
 -- it is failed too when its bounded lane is full, with the reason and the command to run it later.
+-- A failure always says why: given no reason (NULL or blank), it records that none was given.
 CREATE OR REPLACE FUNCTION pglane.fail(p_attempt_id bigint, p_error text, p_timed_out boolean DEFAULT false)
 RETURNS boolean
 LANGUAGE plpgsql SECURITY DEFINER
@@ -184,6 +185,8 @@ DECLARE
     v_lane pglane.lanes;
     v_full text;
 BEGIN
+    p_error := coalesce(nullif(btrim(p_error, E' \t\r\n'), ''),
+                        'failed without a reason: the consumer called pglane.fail() with an empty error');
     SELECT j.* INTO v_job FROM pglane.jobs j
      WHERE j.id = (SELECT a.job_id FROM pglane.attempts a WHERE a.id = p_attempt_id)
        FOR UPDATE;

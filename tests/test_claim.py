@@ -275,6 +275,18 @@ def test_fail_requeues_while_attempts_remain_then_fails(conn: Any) -> None:
     assert attempts == ["failed", "failed"]
 
 
+@pytest.mark.parametrize("reason", [None, "", "  \n"])
+def test_a_failure_given_no_reason_still_says_why(conn: Any, lane: str, reason: str | None) -> None:
+    job = pglane.enqueue(conn, lane, {})
+    take_slot(conn, lane)
+    row = claim(conn, lane)
+    assert row is not None
+    assert conn.execute("SELECT pglane.fail(%s, %s) AS ok", (row["attempt_id"], reason)).fetchone()["ok"]
+    status = pglane.job_status(conn, job)
+    assert status["status"] == "failed" and status["last_error"].startswith("failed without a reason")
+    assert pglane.attempts(conn, job)[0]["error"].startswith("failed without a reason")
+
+
 def test_failed_attempt_backs_off_for_seconds_not_minutes(conn: Any) -> None:
     pglane.create_lane(conn, "backoff", job_timeout=10, max_attempts=3)
     pglane.enqueue(conn, "backoff", {})
