@@ -121,7 +121,8 @@ def test_a_job_committed_just_after_an_empty_claim_still_wakes_the_worker(
         wait_until(done(conn, job), 20, "the job to run")
         assert start_delay(conn, job) < 6  # not the 60 s poll: its NOTIFY was not taken for the old one
     finally:
-        loops[0].call_soon_threadsafe(worker.stop)
+        for loop in loops:
+            loop.call_soon_threadsafe(worker.stop)
         thread.join(20)
     assert not thread.is_alive()
 
