@@ -16,6 +16,7 @@ from pglane.job import Job
 from pglane.slot import LockSession
 from pglane.worker import Worker, WorkerOptions
 from tests.conftest import Ledger, Workers, metrics_port, scrape, slot_holder, terminate, wait_until
+from tests.test_claim import take_slot
 
 
 def wait_idle(conn: Any, lane: str) -> int:
@@ -358,7 +359,7 @@ def test_an_idle_worker_recovers_an_attempt_whose_session_is_gone_on_its_timer(
     # Another consumer (any language) on slot 2 claims a job, then its session ends mid-call. Enqueue
     # and claim commit together, so the idle worker's wake-up finds nothing to take.
     other = session(autocommit=False)
-    other.execute("SELECT pg_advisory_lock(id, 2) FROM pglane.lanes WHERE name = 'pair'")
+    take_slot(other, "pair", 2)  # the worker took slot 1
     job = pglane.enqueue(other, "pair", {})
     assert other.execute("SELECT job_id FROM pglane.claim('pair', 'elsewhere')").fetchone()["job_id"] == job
     other.commit()
@@ -449,7 +450,7 @@ def test_a_database_error_makes_the_worker_back_off_and_go_on_not_die(conn: Any,
 def test_the_logged_statement_for_an_unstored_failure_stores_its_text_exactly(conn: Any, lane: str) -> None:
     from pglane.handler import Outcome
     from pglane.worker import unstored_sql
-    from tests.test_claim import claim, take_slot
+    from tests.test_claim import claim
 
     pglane.enqueue(conn, lane, {})
     take_slot(conn, lane)
