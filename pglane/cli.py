@@ -68,11 +68,10 @@ def _parser() -> argparse.ArgumentParser:
     dsn_help = "libpq DSN or URI of the database (default: $PGLANE_DSN)"
     p.add_argument("--dsn", help=dsn_help)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands = [sub.add_parser("migrate", help="create or upgrade pglane's schema")]
+    sub.add_parser("migrate", help="create or upgrade pglane's schema")
 
     lane = sub.add_parser("lane", help="manage lanes").add_subparsers(dest="lane_command", required=True)
     create = lane.add_parser("create", help="create a lane")
-    commands.append(create)
     create.add_argument("name")
     create.add_argument("--slots", type=int, default=1)
     create.add_argument("--job-timeout", type=_seconds, default=timing.DEFAULT_JOB_TIMEOUT)
@@ -81,13 +80,11 @@ def _parser() -> argparse.ArgumentParser:
     create.add_argument("--max-queued", type=int)
 
     enq = sub.add_parser("enqueue", help="add a job; prints its id")
-    commands.append(enq)
     enq.add_argument("lane")
     enq.add_argument("payload", type=_payload, help="a JSON object or array")
     enq.add_argument("--key", help="idempotency key: the same key returns the same job")
 
     w = sub.add_parser("worker", help="run a worker for one lane")
-    commands.append(w)
     w.add_argument("lane")
     w.add_argument("--handler", required=True, help="MODULE:CALLABLE taking a pglane.Job")
     w.add_argument("--poll-interval", type=_seconds, default=5.0)
@@ -101,50 +98,42 @@ def _parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics on 127.0.0.1:PORT (0: a free port, logged at start)")
 
     st = sub.add_parser("status", help="one row per lane, with the next safe action")
-    commands.append(st)
     st.add_argument("--json", action="store_true")
 
     js = sub.add_parser("jobs", help="list jobs, newest first")
-    commands.append(js)
     js.add_argument("--lane")
     js.add_argument("--status", choices=("queued", "running", "done", "failed", "cancelled"))
     js.add_argument("--limit", type=int, default=50)
     js.add_argument("--json", action="store_true")
 
     sh = sub.add_parser("show", help="one job, its attempts and the next safe action")
-    commands.append(sh)
     sh.add_argument("job", type=int)
     sh.add_argument("--json", action="store_true")
 
     for name, text in (("retry", "put a failed or cancelled job back in the queue"),
                        ("cancel", "cancel a queued job")):
         c = sub.add_parser(name, help=text)
-        commands.append(c)
         c.add_argument("job", type=int)
         c.add_argument("--json", action="store_true")
 
     rc = sub.add_parser("recover", help="mark lost the attempts whose worker is gone")
-    commands.append(rc)
     rc.add_argument("lane", nargs="?")
     rc.add_argument("--terminate-stuck", action="store_true",
                     help="also end the sessions of attempts past their lease, then recover them")
 
     pr = sub.add_parser("prune", help="delete finished jobs (and their attempts) older than a duration")
-    commands.append(pr)
     pr.add_argument("--older-than", required=True, type=_duration, help="e.g. 7d, 12h, 90m")
     pr.add_argument("--lane")
     pr.add_argument("--include-failed", action="store_true",
                     help="also delete failed jobs, whose attempts explain what may have been paid")
 
     ck = sub.add_parser("check", help="check that the four timeouts agree for every lane")
-    commands.append(ck)
     ck.add_argument("--stop-grace", type=_seconds)
     ck.add_argument("--worker-timeout", type=_seconds)
 
     demo = sub.add_parser("demo", help="the whole promise in under a minute, on an embedded PostgreSQL")
     demo.add_argument("--data-dir", help="keep the embedded server's data here (default: a temp dir)")
-    commands.append(demo)
-    for command in commands:  # --dsn before or after the command; given after, it wins
+    for command in (*sub.choices.values(), *lane.choices.values()):  # --dsn after the command too; it wins
         command.add_argument("--dsn", default=argparse.SUPPRESS, help=dsn_help)
     return p
 
