@@ -11,6 +11,12 @@ from __future__ import annotations
 import psycopg
 
 
+def first_line(exc: BaseException | None) -> str:
+    """The first line of an exception's message (its type's name when it has none): for logs and the CLI."""
+    text = str(exc).strip() if exc is not None else ""
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 class PglaneError(Exception):
     """Root of every error pglane raises on purpose."""
 
