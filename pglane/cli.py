@@ -167,7 +167,7 @@ def _run(args: argparse.Namespace) -> int:
         with client.connect(dsn):
             pass  # a clear error for an unreachable database before alembic's traceback
         schema.upgrade(dsn)
-        print(f"pglane schema at revision {schema.HEAD}")
+        print(f"pglane schema at revision {schema.head()}")
         return 0
     if args.command == "worker":
         return _worker(dsn, args)

@@ -2,15 +2,20 @@
 
 Owns: locating ``sql/`` and ``alembic/`` (top-level folders in a checkout, ``pglane/_sql`` and
 ``pglane/_alembic`` inside an installed wheel), running alembic against any libpq DSN, and the check
-that a database is at the version this code expects.
+that a database is at the version this code expects (alembic's head: never a number kept by hand).
 
-Invariant: only alembic migrations create or change pglane's tables; the functions, triggers and
-views of ``sql/`` are applied by those migrations, in the order of ``SQL_FILES``.
+Invariants: only alembic migrations create or change pglane's objects. What a revision installs
+never changes once written: a revision names the sql/ files it applies (its ``APPLIES``) and reads
+each through ``sql_text``, which gives a frozen copy (``alembic/frozen/<revision>/<file>``) when a
+later revision has changed that file since. So sql/ always holds the head's text, and a revision
+that changes a file copies the previous text into the older revision's frozen folder in the same
+commit (tests/test_schema.py fails otherwise).
 """
 
 from __future__ import annotations
 
-import re
+import functools
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +24,6 @@ from psycopg import sql
 from psycopg.rows import tuple_row
 
 from .errors import SchemaError
-
-HEAD = "0006"
-SQL_FILES = ("lanes.sql", "enqueue.sql", "claim.sql", "recover.sql", "history.sql", "views.sql")
 
 _PACKAGE = Path(__file__).resolve().parent
 
@@ -41,17 +43,29 @@ def migrations_dir() -> Path:
     return _resource_dir("_alembic", "alembic")
 
 
-# jobs.in_queue (revision 0003) is generated as status = 'queued'; a revision before 0003 applies sql/
-# with the column spelled out as that test (in views, which are checked when created, it must be).
-# sql/ names the column through a one-letter table alias (j.in_queue, q.in_queue); a fresh database
-# migrated to each older revision proves it (tests/test_schema.py).
-_IN_QUEUE = re.compile(r"\b([a-z])\.in_queue\b")
+def sql_text(name: str, revision: str) -> str:
+    """The text of sql/``name`` as ``revision`` installs it: its frozen copy if one exists, else sql/."""
+    frozen = migrations_dir() / "frozen" / revision / name
+    return (frozen if frozen.is_file() else sql_dir() / name).read_text(encoding="utf-8")
 
 
-def sql_text(name: str, *, before_in_queue: bool = False) -> str:
-    """The text of one file of sql/; with ``before_in_queue``, as revisions before 0003 apply it."""
-    text = (sql_dir() / name).read_text(encoding="utf-8")
-    return _IN_QUEUE.sub(r"\1.status = 'queued'", text) if before_in_queue else text
+def apply_sql(revision: str, names: Iterable[str]) -> None:
+    """Run, inside a migration, the sql/ files ``names`` as ``revision`` installs them, in that order."""
+    from alembic import op
+
+    for name in names:
+        op.execute(sql_text(name, revision))
+
+
+@functools.cache
+def head() -> str:
+    """The revision this pglane's migrations end at, read from alembic's script directory."""
+    from alembic.script import ScriptDirectory
+
+    found = ScriptDirectory(str(migrations_dir())).get_current_head()
+    if found is None:
+        raise SchemaError("pglane's migrations have no head revision; reinstall pglane")
+    return found
 
 
 def _alembic_config(dsn: str):  # type: ignore[no-untyped-def]
@@ -100,10 +114,10 @@ def current_revision(conn: psycopg.Connection[Any]) -> str | None:
 
 
 def require_current(conn: psycopg.Connection[Any]) -> None:
-    """Raise SchemaError unless the database is at HEAD."""
+    """Raise SchemaError unless the database is at the head revision."""
     revision = current_revision(conn)
-    if revision != HEAD:
+    if revision != head():
         state = "not migrated" if revision is None else f"at revision {revision}"
         raise SchemaError(
-            f"the database is {state}, this pglane needs revision {HEAD}; run: pglane migrate"
+            f"the database is {state}, this pglane needs revision {head()}; run: pglane migrate"
         )

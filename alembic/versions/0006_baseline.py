@@ -1,8 +1,16 @@
-"""pglane core: lanes, jobs, attempts, the lane counters, and the functions, triggers and views of sql/.
+"""pglane's baseline: lanes, jobs, attempts, the lane counters, the three group roles and their grants,
+and the functions, triggers and views of sql/. A squash of revisions 0001-0006 (the releases before
+it), under the id of the last of them, so that a database already at 0006 is at this baseline.
 
-Revision ID: 0001
+Revision ID: 0006
 Revises:
-Create Date: 2026-12-02
+Create Date: 2026-12-03
+
+How revisions own their text (pglane.schema.sql_text): each revision lists the sql/ files it applies
+in APPLIES. The newest revision to apply a file reads it from sql/; a revision that changes a file
+again first copies the older revision's text to alembic/frozen/<revision>/, so that what a revision
+installs never changes once written (tests/test_schema.py checks the rule, and that every upgrade and
+downgrade path ends in the same schema as a fresh install at that revision).
 
 Invariants kept here, next to the state they protect:
 - a status is text in a DOMAIN that carries the named CHECK (job_status_valid, attempt_status_valid):
@@ -13,21 +21,28 @@ Invariants kept here, next to the state they protect:
 - lanes.id is an identity that is never reused: it is the slot lock key and the NOTIFY channel;
 - attempt_finished_when_not_running: only a running attempt lacks finished_at;
 - (job_id, attempt_number) is unique, and the job's latest attempt is the one whose number equals
-  jobs.attempts: the guard of complete() and fail().
+  jobs.attempts: the guard of complete() and fail();
+- jobs.in_queue is generated from status: no writer can make it disagree, and the queue index keyed
+  on it lets a completion (running -> done) be a HOT update;
+- nobody but the owner may UPDATE or DELETE jobs and attempts; EXECUTE on pglane's functions is
+  revoked from PUBLIC; every function a role may call that writes is SECURITY DEFINER with a fixed
+  search_path (see sql/).
 
-Function bodies live in sql/ and are applied from there (pglane.schema.sql_text). A later revision
-that changes a function re-applies sql/; one that changes a table does it in its own file. This
-revision applies today's sql/, with the column jobs.in_queue (added by 0003) spelled as the status
-test it is generated from, so that a fresh database can stop at any revision.
+Roles are cluster-wide while pglane's schema is per database: they are created only when missing (a
+concurrent migration of another database that creates them first is not an error), and a downgrade
+keeps them, since other databases may still use them. Creating them needs CREATEROLE; without it
+(PGL11) an administrator creates the three NOLOGIN roles first.
 """
 
 from alembic import op
-from pglane.schema import SQL_FILES, sql_text
+from pglane.schema import apply_sql
 
-revision = "0001"
+revision = "0006"
 down_revision = None
 branch_labels = None
 depends_on = None
+
+APPLIES = ("lanes.sql", "enqueue.sql", "claim.sql", "recover.sql", "history.sql", "views.sql")
 
 TABLES = r"""
 CREATE DOMAIN pglane.job_state AS text
@@ -86,15 +101,16 @@ CREATE TABLE pglane.jobs (
     result          jsonb,
     last_error      text,
     seq             bigint,
+    in_queue        boolean GENERATED ALWAYS AS (status = 'queued') STORED,
     -- A full (not partial) unique constraint, so that a plain
     -- INSERT ... ON CONFLICT (lane, idempotency_key) DO NOTHING can infer it. NULL keys never clash.
     CONSTRAINT jobs_lane_idempotency_key_key UNIQUE (lane, idempotency_key)
 );
+COMMENT ON COLUMN pglane.jobs.in_queue IS
+    'status = ''queued'', kept apart so that the queue index does not depend on status';
 -- The claim reads this index in service order; it holds only queued rows, so its size follows the
--- backlog, not the history.
-CREATE INDEX jobs_queue ON pglane.jobs (lane, created_at, id) WHERE status = 'queued';
--- Recovery and the views find running jobs here (at most `slots` per lane).
-CREATE INDEX jobs_running ON pglane.jobs (lane) WHERE status = 'running';
+-- backlog, not the history. Keyed on in_queue, not status: a completion changes no indexed column.
+CREATE INDEX jobs_queue ON pglane.jobs (lane, created_at, id) WHERE in_queue;
 -- Dead queue-index entries slow every claim: vacuum the hot table early.
 ALTER TABLE pglane.jobs SET (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,
                              autovacuum_vacuum_insert_scale_factor = 0.05, fillfactor = 90);
@@ -116,20 +132,85 @@ CREATE TABLE pglane.attempts (
     CONSTRAINT attempt_finished_when_not_running CHECK ((status = 'running') = (finished_at IS NULL))
 );
 ALTER TABLE pglane.attempts SET (fillfactor = 90);
+-- Recovery and the views find running attempts here (at most `slots` per lane).
+CREATE INDEX attempts_running ON pglane.attempts (job_id) WHERE status = 'running';
+"""
+
+CREATE_ROLES = r"""
+DO $$
+DECLARE
+    r text;
+BEGIN
+    FOREACH r IN ARRAY ARRAY['pglane_producer', 'pglane_worker', 'pglane_operator'] LOOP
+        IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = r) THEN
+            BEGIN
+                EXECUTE format('CREATE ROLE %I NOLOGIN', r);
+            EXCEPTION
+                WHEN duplicate_object OR unique_violation THEN NULL;  -- created meanwhile elsewhere
+                WHEN insufficient_privilege THEN
+                    RAISE EXCEPTION USING ERRCODE = 'PGL11',
+                        MESSAGE = format('cannot create role %I: the migrating role lacks CREATEROLE', r),
+                        HINT = 'run pglane migrate as a role with CREATEROLE, or have an administrator run: '
+                               'CREATE ROLE pglane_producer NOLOGIN; CREATE ROLE pglane_worker NOLOGIN; '
+                               'CREATE ROLE pglane_operator NOLOGIN;';
+            END;
+        END IF;
+    END LOOP;
+END $$;
+"""
+
+GRANTS = r"""
+REVOKE ALL ON ALL FUNCTIONS IN SCHEMA pglane FROM PUBLIC;
+REVOKE ALL ON ALL TABLES IN SCHEMA pglane FROM PUBLIC;
+ALTER DEFAULT PRIVILEGES IN SCHEMA pglane REVOKE EXECUTE ON FUNCTIONS FROM PUBLIC;
+
+GRANT USAGE ON SCHEMA pglane TO pglane_producer, pglane_worker, pglane_operator;
+GRANT SELECT ON pglane.alembic_version TO pglane_producer, pglane_worker, pglane_operator;
+-- The views call these read-only helpers, and a view's functions are checked as the querying user.
+GRANT EXECUTE ON FUNCTION pglane.session_alive(integer, timestamptz, integer, integer),
+                          pglane.lane_consumers(integer, integer)
+    TO pglane_producer, pglane_worker, pglane_operator;
+
+-- Producers: enqueue (the function or a plain INSERT of the four input columns) and read job status.
+GRANT EXECUTE ON FUNCTION pglane.enqueue(text, jsonb, text, timestamptz) TO pglane_producer;
+GRANT INSERT (lane, payload, idempotency_key, run_after) ON pglane.jobs TO pglane_producer;
+-- INSERT ... ON CONFLICT (lane, idempotency_key) DO NOTHING reads the conflict target's columns.
+GRANT SELECT (lane, idempotency_key) ON pglane.jobs TO pglane_producer;
+GRANT SELECT ON pglane.job_status TO pglane_producer;
+
+-- Workers: claim, complete, fail, recover; read their lane, its jobs and their attempts (the
+-- worker's queue gauges count running attempts).
+GRANT EXECUTE ON FUNCTION pglane.claim(text, text), pglane.complete(bigint, jsonb),
+                          pglane.fail(bigint, text, boolean), pglane.complete_and_claim(bigint, jsonb, text, text),
+                          pglane.recover(text)
+    TO pglane_worker;
+GRANT SELECT ON pglane.lanes, pglane.jobs, pglane.attempts TO pglane_worker;
+
+-- Operators: read every view and the history; decide (retry, cancel), recover and prune.
+GRANT SELECT ON pglane.lanes, pglane.jobs, pglane.attempts, pglane.lane_status, pglane.job_status,
+                pglane.running_attempts
+    TO pglane_operator;
+GRANT EXECUTE ON FUNCTION pglane.retry(bigint), pglane.cancel(bigint), pglane.recover(text),
+                          pglane.stuck_attempts(text), pglane.prune(interval, text, boolean)
+    TO pglane_operator;
 """
 
 
 def upgrade() -> None:
     op.execute(TABLES)
-    for name in SQL_FILES:  # today's sql/, with jobs.in_queue (0003) spelled as what it is generated from
-        op.execute(sql_text(name, before_in_queue=True))
+    apply_sql(revision, APPLIES)
+    op.execute(CREATE_ROLES)
+    op.execute(GRANTS)
 
 
 def downgrade() -> None:
     # Everything of pglane but alembic's own version table, which alembic empties afterwards;
-    # pglane.schema.downgrade() then drops the empty schema.
+    # pglane.schema.downgrade() then drops the empty schema. The roles stay (see above).
     op.execute(
         """
+        REVOKE ALL ON SCHEMA pglane FROM pglane_producer, pglane_worker, pglane_operator;
+        REVOKE ALL ON pglane.alembic_version FROM pglane_producer, pglane_worker, pglane_operator;
+        ALTER DEFAULT PRIVILEGES IN SCHEMA pglane GRANT EXECUTE ON FUNCTIONS TO PUBLIC;
         DROP VIEW IF EXISTS pglane.job_status, pglane.lane_status CASCADE;
         DROP TABLE IF EXISTS pglane.attempts, pglane.jobs, pglane.lane_counters, pglane.lanes CASCADE;
         DROP DOMAIN IF EXISTS pglane.job_state, pglane.attempt_state CASCADE;
