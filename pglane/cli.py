@@ -14,7 +14,8 @@ from typing import Any
 import psycopg
 
 from . import client, schema, timing
-from .errors import ConfigurationError, PglaneError
+from .errors import ConfigurationError, PglaneError, first_line
+from .job import JOB_STATUSES
 
 
 def _table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
@@ -102,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
 
     js = sub.add_parser("jobs", help="list jobs, newest first")
     js.add_argument("--lane")
-    js.add_argument("--status", choices=("queued", "running", "done", "failed", "cancelled"))
+    js.add_argument("--status", choices=JOB_STATUSES)
     js.add_argument("--limit", type=int, default=50)
     js.add_argument("--json", action="store_true")
 
@@ -149,8 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pglane: {exc}", file=sys.stderr)
         return 1
     except psycopg.OperationalError as exc:
-        line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"pglane: the database connection failed ({line}); check --dsn / PGLANE_DSN and the server",
+        print(f"pglane: the database connection failed ({first_line(exc)}); check --dsn / PGLANE_DSN and the server",
               file=sys.stderr)
         return 1
     except KeyboardInterrupt:

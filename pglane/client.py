@@ -24,6 +24,7 @@ from .errors import (
     InvalidPayload,
     PglaneError,
     UnknownJob,
+    first_line,
     translate,
 )
 
@@ -49,9 +50,8 @@ def connect(dsn: str | None = None, **kwargs: Any) -> psycopg.Connection[Row]:
     try:
         return psycopg.connect(target, autocommit=True, row_factory=dict_row, **kwargs)
     except psycopg.OperationalError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DatabaseUnavailable(
-            f"cannot connect to the database ({first}); check that PostgreSQL is running and that "
+            f"cannot connect to the database ({first_line(exc)}); check that PostgreSQL is running and that "
             "--dsn / PGLANE_DSN points at it"
         ) from None
 
@@ -197,9 +197,7 @@ def terminate_stuck(conn: psycopg.Connection[Row], lane: str | None = None, *, w
             conn.execute(queries.TERMINATE, (pid,))
     deadline = time.monotonic() + wait
     while pids and time.monotonic() < deadline:
-        alive = conn.execute(
-            "SELECT count(*) AS n FROM pg_stat_activity WHERE pid = ANY(%s)", (list(pids),)
-        ).fetchone()
+        alive = conn.execute(queries.LIVE_SESSIONS, (list(pids),)).fetchone()
         if alive is None or alive["n"] == 0:
             break
         time.sleep(0.05)

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 JOB_STATUSES = ("queued", "running", "done", "failed", "cancelled")
-ATTEMPT_STATUSES = ("running", "done", "failed", "lost", "timed_out")
 
 
 @dataclass(frozen=True)

@@ -10,20 +10,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any, LiteralString
+from typing import Any
 
 import psycopg
 
+from . import queries
 from .errors import ConfigurationError
 
 log = logging.getLogger("pglane.worker")
-
-QUEUE: LiteralString = (
-    "SELECT count(*) AS queued, coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest,"
-    " (SELECT count(*) FROM pglane.attempts a JOIN pglane.jobs r ON r.id = a.job_id"
-    "   WHERE a.status = 'running' AND r.lane = %(lane)s) AS running"
-    " FROM pglane.jobs WHERE lane = %(lane)s AND in_queue"
-)
 
 
 class Metrics:
@@ -66,7 +60,7 @@ class Metrics:
                 try:
                     if conn is None or conn.closed:
                         conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
-                    cur = await conn.execute(QUEUE, {"lane": self.lane})
+                    cur = await conn.execute(queries.QUEUE_GAUGES, {"lane": self.lane})
                     row = await cur.fetchone()
                     if row is not None:
                         self.queue_depth.set(row[0])

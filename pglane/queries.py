@@ -16,6 +16,7 @@ CANCEL: LiteralString = "SELECT pglane.cancel(%s)"
 STUCK: LiteralString = "SELECT * FROM pglane.stuck_attempts(%s) ORDER BY attempt_id"
 PRUNE: LiteralString = "SELECT pglane.prune(make_interval(secs => %s), %s, %s)"
 TERMINATE: LiteralString = "SELECT pg_terminate_backend(%s)"
+LIVE_SESSIONS: LiteralString = "SELECT count(*) AS n FROM pg_stat_activity WHERE pid = ANY(%s)"  # of these pids
 
 LANES: LiteralString = (  # every lane, or the one named %(name)s
     "SELECT id, name, slots, extract(epoch FROM job_timeout)::float8 AS job_timeout,"
@@ -51,3 +52,12 @@ ATTEMPTS: LiteralString = (
     " lease_expires_at, seq, error FROM pglane.attempts WHERE job_id = %s ORDER BY attempt_number"
 )
 JOB_RESULT: LiteralString = "SELECT result FROM pglane.jobs WHERE id = %s"
+
+# The worker's queue gauges (pglane.metrics): the lane's queued jobs, the age of the oldest, and its running
+# attempts, read through the queue and running-attempt indexes so the cost does not grow with history.
+QUEUE_GAUGES: LiteralString = (
+    "SELECT count(*) AS queued, coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest,"
+    " (SELECT count(*) FROM pglane.attempts a JOIN pglane.jobs r ON r.id = a.job_id"
+    "   WHERE a.status = 'running' AND r.lane = %(lane)s) AS running"
+    " FROM pglane.jobs WHERE lane = %(lane)s AND in_queue"
+)

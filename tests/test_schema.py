@@ -7,8 +7,8 @@ import os
 import subprocess
 import sys
 import venv
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -83,7 +83,7 @@ def schema_dump(dsn: str) -> str:
         if line.startswith(("GRANT ", "REVOKE ")):
             grants.append(line)
             continue
-        out += sorted(grants) + [line]
+        out += [*sorted(grants), line]
         grants = []
     return "\n".join(out)
 
