@@ -50,11 +50,14 @@ def sql_text(name: str, revision: str) -> str:
 
 
 def apply_sql(revision: str, names: Iterable[str]) -> None:
-    """Run, inside a migration, the sql/ files ``names`` as ``revision`` installs them, in that order."""
+    """Run, inside a migration, the sql/ files ``names`` as ``revision`` installs them, in that order;
+    then take EXECUTE on every pglane function away from PUBLIC, which PostgreSQL grants to each new
+    function (a per-schema ALTER DEFAULT PRIVILEGES cannot revoke it). Grants to pglane's roles stay."""
     from alembic import op
 
     for name in names:
         op.execute(sql_text(name, revision))
+    op.execute("REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA pglane FROM PUBLIC")
 
 
 @functools.cache

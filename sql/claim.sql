@@ -4,28 +4,23 @@
 -- attempt happens while its job's row is locked, so a statement that runs after taking that lock
 -- reads the attempt's latest committed state (READ COMMITTED takes a new snapshot per statement).
 
+-- claimed: the row a claim hands its worker, declared once for claim(), claim_impl() and
+-- complete_and_claim(). `completed` is set by complete_and_claim() only (whether the result it
+-- delivered was accepted); a plain claim leaves it NULL. With no eligible job, every other column is NULL.
+-- (A type, so alembic owns it: see revision 0007.)
+
 -- claim_impl, complete_impl: the bodies of claim() and complete(), shared with complete_and_claim()
 -- so that the worker's fast path switches its search_path once per job, not three times. They run
 -- only inside those SECURITY DEFINER functions: EXECUTE on them is granted to nobody. claim_impl
 -- returns one row, all NULL when nothing is eligible (cheaper to call than a set-returning function).
-CREATE OR REPLACE FUNCTION pglane.claim_impl(
-    p_lane text, p_worker text,
-    OUT job_id bigint, OUT attempt_id bigint, OUT attempt_number integer, OUT seq bigint, OUT lane text,
-    OUT payload jsonb, OUT idempotency_key text, OUT lease_expires_at timestamptz)
+CREATE OR REPLACE FUNCTION pglane.claim_impl(p_lane text, p_worker text) RETURNS pglane.claimed
 LANGUAGE plpgsql AS $$
-#variable_conflict use_column
 DECLARE
     v_lane    pglane.lanes;
     v_slot    integer;
-    v_job     bigint;
-    v_seq     bigint;
-    v_number  integer;
-    v_payload jsonb;
-    v_key     text;
-    v_attempt bigint;
-    v_lease   timestamptz;
     v_mine    integer;
     v_try     integer;
+    r         pglane.claimed;
 BEGIN
     SELECT * INTO v_lane FROM pglane.lanes l WHERE l.name = p_lane;
     IF NOT FOUND THEN
@@ -60,36 +55,35 @@ BEGIN
             HINT = 'take a slot first with pg_advisory_lock(lane id, slot number), as pglane worker does';
     END IF;
 
-    SELECT j.id INTO v_job
+    SELECT j.id INTO r.job_id
       FROM pglane.jobs j
      WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()
      ORDER BY j.created_at, j.id
      LIMIT 1
        FOR UPDATE SKIP LOCKED;
     IF NOT FOUND THEN
-        RETURN;
+        RETURN r;
     END IF;
 
     UPDATE pglane.lane_counters c
        SET last_seq = c.last_seq + 1,
            queued = c.queued - (v_lane.max_queued IS NOT NULL)::integer
      WHERE c.lane_id = v_lane.id
-    RETURNING c.last_seq INTO v_seq;
+    RETURNING c.last_seq INTO r.seq;
 
     UPDATE pglane.jobs j
-       SET status = 'running', started_at = now(), attempts = j.attempts + 1, seq = v_seq
-     WHERE j.id = v_job
-    RETURNING j.attempts, j.payload, j.idempotency_key INTO v_number, v_payload, v_key;
+       SET status = 'running', started_at = now(), attempts = j.attempts + 1, seq = r.seq
+     WHERE j.id = r.job_id
+    RETURNING j.attempts, j.payload, j.idempotency_key INTO r.attempt_number, r.payload, r.idempotency_key;
 
-    v_lease := now() + v_lane.lease_timeout;
+    r.lease_expires_at := now() + v_lane.lease_timeout;
     INSERT INTO pglane.attempts AS a
            (job_id, attempt_number, worker, backend_pid, backend_start, lease_expires_at, seq)
-    SELECT v_job, v_number, p_worker, pg_backend_pid(), s.backend_start, v_lease, v_seq
+    SELECT r.job_id, r.attempt_number, p_worker, pg_backend_pid(), s.backend_start, r.lease_expires_at, r.seq
       FROM pg_stat_get_activity(pg_backend_pid()) s
-    RETURNING a.id INTO v_attempt;
-
-    job_id := v_job; attempt_id := v_attempt; attempt_number := v_number; seq := v_seq;
-    lane := p_lane; payload := v_payload; idempotency_key := v_key; lease_expires_at := v_lease;
+    RETURNING a.id INTO r.attempt_id;
+    r.lane := p_lane;
+    RETURN r;
 END $$;
 
 -- claim: take the lane's oldest eligible queued job for the calling session, which must hold a slot
@@ -97,9 +91,7 @@ END $$;
 -- row records the session identity (pid + backend_start) that recovery later checks, and the lane's
 -- gapless seq is bumped under the counters row lock. SKIP LOCKED lets several slots claim at once
 -- without waiting on each other's candidate rows. Returns no row when nothing is eligible.
-CREATE OR REPLACE FUNCTION pglane.claim(p_lane text, p_worker text)
-RETURNS TABLE (job_id bigint, attempt_id bigint, attempt_number integer, seq bigint, lane text,
-               payload jsonb, idempotency_key text, lease_expires_at timestamptz)
+CREATE OR REPLACE FUNCTION pglane.claim(p_lane text, p_worker text) RETURNS SETOF pglane.claimed
 LANGUAGE sql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
 AS $$
@@ -181,9 +173,7 @@ LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
 AS $$
 DECLARE
-    v_job  pglane.jobs;
-    v_lane pglane.lanes;
-    v_full text;
+    v_job pglane.jobs;
 BEGIN
     p_error := coalesce(nullif(btrim(p_error, E' \t\r\n'), ''),
                         'failed without a reason: the consumer called pglane.fail() with an empty error');
@@ -202,20 +192,9 @@ BEGIN
         RETURN false;
     END IF;
 
-    SELECT * INTO v_lane FROM pglane.lanes l WHERE l.name = v_job.lane;
-    IF v_job.attempts < v_lane.max_attempts THEN
-        IF pglane.queue_admit(v_job.lane) THEN
-            UPDATE pglane.jobs j
-               SET status = 'queued', last_error = p_error,
-                   run_after = now() + least(v_lane.retry_backoff * 2 ^ (v_job.attempts - 1), interval '1 hour')
-             WHERE j.id = v_job.id;
-            RETURN true;
-        END IF;
-        v_full := pglane.lane_full_note(v_job.lane, v_job.id);
-    END IF;
-    UPDATE pglane.jobs j
-       SET status = 'failed', finished_at = now(), last_error = p_error || coalesce(v_full, '')
-     WHERE j.id = v_job.id;
+    PERFORM pglane.requeue_or_fail(v_job.id, v_job.lane, v_job.attempts, p_error, '', '',
+                                   least(l.retry_backoff * 2 ^ (v_job.attempts - 1), interval '1 hour'))
+       FROM pglane.lanes l WHERE l.name = v_job.lane;
     RETURN true;
 END $$;
 
@@ -223,16 +202,16 @@ END $$;
 -- job in one round trip and one commit. Same guards as complete() and claim(); `completed` says
 -- whether the result was accepted, the other columns are the next job (NULL when none is eligible).
 CREATE OR REPLACE FUNCTION pglane.complete_and_claim(p_attempt_id bigint, p_result jsonb, p_lane text, p_worker text)
-RETURNS TABLE (completed boolean, job_id bigint, attempt_id bigint, attempt_number integer, seq bigint,
-               lane text, payload jsonb, idempotency_key text, lease_expires_at timestamptz)
+RETURNS pglane.claimed
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
 AS $$
-#variable_conflict use_column
+DECLARE
+    v_completed boolean;
+    r           pglane.claimed;
 BEGIN
-    completed := pglane.complete_impl(p_attempt_id, p_result);
-    SELECT c.job_id, c.attempt_id, c.attempt_number, c.seq, c.lane, c.payload, c.idempotency_key, c.lease_expires_at
-      INTO job_id, attempt_id, attempt_number, seq, lane, payload, idempotency_key, lease_expires_at
-      FROM pglane.claim_impl(p_lane, p_worker) c;
-    RETURN NEXT;
+    v_completed := pglane.complete_impl(p_attempt_id, p_result);  -- first: the claim may take its slot's next job
+    r := pglane.claim_impl(p_lane, p_worker);
+    r.completed := v_completed;
+    RETURN r;
 END $$;

@@ -1,4 +1,15 @@
--- Lanes: the counters row each lane needs, and the recount when a lane becomes bounded.
+-- Lanes: who holds their slots, the counters row each lane needs, the recount when a lane becomes
+-- bounded, and where a job goes when it may run again.
+
+-- slot_holders: every session-level advisory lock on a lane's slot key (lane id, slot number) right
+-- now: held or waited for, exclusive or shared, by whatever session. The one place that knows how a
+-- slot lock looks in pg_locks; a slot is held by a granted ExclusiveLock (pglane worker takes it so).
+CREATE OR REPLACE VIEW pglane.slot_holders AS
+SELECT l.id AS lane_id, l.name AS lane, k.objid::integer AS slot, k.pid, k.mode, k.granted
+  FROM pg_catalog.pg_locks k
+  JOIN pglane.lanes l ON k.classid = l.id::oid AND k.objid::bigint BETWEEN 1 AND l.slots
+ WHERE k.locktype = 'advisory' AND k.objsubid = 2
+   AND k.database = (SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname = pg_catalog.current_database());
 
 -- lanes_after_insert: every lane gets its counters row in the same transaction, so claim() and the
 -- bound check can rely on it existing.
@@ -64,14 +75,38 @@ LANGUAGE sql AS $$
     SELECT lane.max_queued IS NULL OR EXISTS (SELECT 1 FROM taken) FROM lane;
 $$;
 
--- lane_full_note: what last_error adds when a job that may run again is failed instead of re-queued
--- because queue_admit said its bounded lane is full.
-CREATE OR REPLACE FUNCTION pglane.lane_full_note(p_lane text, p_job bigint) RETURNS text
-LANGUAGE sql STABLE AS $$
-    SELECT format('; not re-queued: lane %s is full (max_queued %s); run it again when there is room: '
-                  'pglane retry %s', l.name, l.max_queued, p_job)
-      FROM pglane.lanes l WHERE l.name = p_lane;
-$$;
+-- requeue_or_fail: where a job goes after its attempt failed or was lost: back to the queue after
+-- p_delay while the lane allows more attempts and (on a bounded lane) has room, else failed. The
+-- reason p_error is kept in last_error, with p_requeued_note or p_final_note after it; a job failed
+-- only because its lane was full says so, with the command to run it later. A job eligible at once
+-- wakes the lane. Returns whether it was re-queued. Caller holds the job's row lock and has finished
+-- the attempt.
+CREATE OR REPLACE FUNCTION pglane.requeue_or_fail(
+    p_job_id bigint, p_lane text, p_attempt_number integer, p_error text,
+    p_requeued_note text, p_final_note text, p_delay interval
+) RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_lane pglane.lanes;
+BEGIN
+    SELECT * INTO v_lane FROM pglane.lanes l WHERE l.name = p_lane;
+    IF p_attempt_number < v_lane.max_attempts THEN  -- nested: queue_admit takes a place when it says yes
+        IF pglane.queue_admit(p_lane) THEN
+            UPDATE pglane.jobs j SET status = 'queued', run_after = now() + p_delay,
+                   last_error = p_error || p_requeued_note
+             WHERE j.id = p_job_id;
+            IF p_delay <= interval '0' THEN
+                PERFORM pglane.notify_lane(v_lane.id);
+            END IF;
+            RETURN true;
+        END IF;
+        p_final_note := format('; not re-queued: lane %s is full (max_queued %s); run it again when there is '
+                               'room: pglane retry %s', p_lane, v_lane.max_queued, p_job_id);
+    END IF;
+    UPDATE pglane.jobs j SET status = 'failed', finished_at = now(), last_error = p_error || p_final_note
+     WHERE j.id = p_job_id;
+    RETURN false;
+END $$;
 
 -- notify_lane: wake the lane's listening workers. The channel is derived from the lane's id, never
 -- from its name; the payload is empty (no job data). Identical notifications in one transaction fold

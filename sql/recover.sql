@@ -12,11 +12,9 @@ CREATE OR REPLACE FUNCTION pglane.session_alive(
 LANGUAGE sql STABLE AS $$
     SELECT EXISTS (SELECT 1 FROM pg_stat_get_activity(p_pid) s
                     WHERE s.backend_start IS NULL OR s.backend_start = p_backend_start)
-       AND EXISTS (SELECT 1 FROM pg_locks k
-                    WHERE k.locktype = 'advisory' AND k.pid = p_pid AND k.granted
-                      AND k.mode = 'ExclusiveLock' AND k.objsubid = 2
-                      AND k.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
-                      AND k.classid = p_lane_id::oid AND k.objid::bigint BETWEEN 1 AND p_slots);
+       AND EXISTS (SELECT 1 FROM pglane.slot_holders h
+                    WHERE h.pid = p_pid AND h.lane_id = p_lane_id AND h.slot <= p_slots
+                      AND h.granted AND h.mode = 'ExclusiveLock');
 $$;
 
 -- running_attempts: every running attempt with the evidence about its worker. `alive` false means
@@ -41,10 +39,9 @@ LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
 AS $$
 DECLARE
-    r          record;
-    v_count    integer := 0;
-    v_error    text;
-    v_requeued boolean;
+    r       record;
+    v_count integer := 0;
+    v_error text;
 BEGIN
     FOR r IN SELECT ra.attempt_id, ra.job_id, ra.lane, ra.attempt_number, ra.worker, ra.backend_pid,
                     ra.backend_start, l.max_attempts
@@ -63,24 +60,10 @@ BEGIN
         UPDATE pglane.attempts a SET status = 'lost', finished_at = now(), error = v_error
          WHERE a.id = r.attempt_id AND a.status = 'running';
         CONTINUE WHEN NOT FOUND;
-        v_requeued := false;
-        IF r.attempt_number < r.max_attempts THEN  -- nested: queue_admit takes a place when it says yes
-            v_requeued := pglane.queue_admit(r.lane);
-        END IF;
-        IF v_requeued THEN
-            UPDATE pglane.jobs j SET status = 'queued', run_after = now(),
-                   last_error = v_error || '; re-queued: the lane allows ' || r.max_attempts || ' attempts'
-             WHERE j.id = r.job_id;
-            PERFORM pglane.notify_lane((SELECT l.id FROM pglane.lanes l WHERE l.name = r.lane));
-        ELSIF r.attempt_number < r.max_attempts THEN
-            UPDATE pglane.jobs j SET status = 'failed', finished_at = now(),
-                   last_error = v_error || pglane.lane_full_note(r.lane, r.job_id)
-             WHERE j.id = r.job_id;
-        ELSE
-            UPDATE pglane.jobs j SET status = 'failed', finished_at = now(),
-                   last_error = v_error || '; not re-run automatically: retry only if paying again is acceptable'
-             WHERE j.id = r.job_id;
-        END IF;
+        PERFORM pglane.requeue_or_fail(
+            r.job_id, r.lane, r.attempt_number, v_error,
+            '; re-queued: the lane allows ' || r.max_attempts || ' attempts',
+            '; not re-run automatically: retry only if paying again is acceptable', interval '0');
         v_count := v_count + 1;
     END LOOP;
     RETURN v_count;
@@ -97,13 +80,12 @@ AS $$
      WHERE (p_lane IS NULL OR ra.lane = p_lane) AND ra.alive AND ra.past_lease;
 $$;
 
--- retry: a person's decision to spend again: a failed or cancelled job goes back to the queue for one
--- more attempt. Refused (PGL08) for any other status, with the reason, and (PGL04) while its
--- bounded lane is full: the job stays as it was.
-CREATE OR REPLACE FUNCTION pglane.retry(p_job_id bigint) RETURNS boolean
-LANGUAGE plpgsql SECURITY DEFINER
-SET search_path = pg_catalog, pglane, pg_temp
-AS $$
+-- decided_job: the opening of retry() and cancel(), a person's decisions about one job: lock it, and
+-- refuse (PGL09) an unknown job or (PGL08) one whose status is not in p_allowed, saying why and what
+-- to do instead. Returns the locked job.
+CREATE OR REPLACE FUNCTION pglane.decided_job(p_job_id bigint, p_allowed text[], p_refusal text)
+RETURNS pglane.jobs
+LANGUAGE plpgsql AS $$
 DECLARE
     v_job pglane.jobs;
 BEGIN
@@ -112,13 +94,29 @@ BEGIN
         RAISE EXCEPTION USING ERRCODE = 'PGL09', MESSAGE = format('no job %s', p_job_id),
             HINT = 'list jobs with: pglane jobs';
     END IF;
-    IF v_job.status NOT IN ('failed', 'cancelled') THEN
+    IF v_job.status <> ALL (p_allowed) THEN
         RAISE EXCEPTION USING ERRCODE = 'PGL08',
-            MESSAGE = format('job %s is %s; only failed or cancelled jobs can be retried', p_job_id, v_job.status),
+            MESSAGE = format('job %s is %s; %s', p_job_id, v_job.status, p_refusal),
             HINT = CASE v_job.status
                        WHEN 'done' THEN 'its result is stored; enqueue a new job with a new key to run it again'
-                       ELSE 'it will run (or is running) already' END;
+                       WHEN 'running' THEN 'a running call cannot be taken back; wait for it to finish'
+                       WHEN 'queued' THEN 'it will run once a worker of its lane is free'
+                       ELSE 'it is finished already' END;
     END IF;
+    RETURN v_job;
+END $$;
+
+-- retry: a person's decision to spend again: a failed or cancelled job goes back to the queue for one
+-- more attempt. Refused (PGL08) for any other status, with the reason, and (PGL04) while its
+-- bounded lane is full: the job stays as it was.
+CREATE OR REPLACE FUNCTION pglane.retry(p_job_id bigint) RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
+DECLARE
+    v_job pglane.jobs := pglane.decided_job(p_job_id, '{failed,cancelled}',
+                                            'only failed or cancelled jobs can be retried');
+BEGIN
     IF NOT pglane.queue_admit(v_job.lane) THEN
         RAISE EXCEPTION USING ERRCODE = 'PGL04',
             MESSAGE = format('lane %L is full: job %s stays %s (max_queued is %s)', v_job.lane, p_job_id,
@@ -136,20 +134,8 @@ LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
 AS $$
 DECLARE
-    v_job pglane.jobs;
+    v_job pglane.jobs := pglane.decided_job(p_job_id, '{queued}', 'only queued jobs can be cancelled');
 BEGIN
-    SELECT * INTO v_job FROM pglane.jobs j WHERE j.id = p_job_id FOR UPDATE;
-    IF NOT FOUND THEN
-        RAISE EXCEPTION USING ERRCODE = 'PGL09', MESSAGE = format('no job %s', p_job_id),
-            HINT = 'list jobs with: pglane jobs';
-    END IF;
-    IF v_job.status <> 'queued' THEN
-        RAISE EXCEPTION USING ERRCODE = 'PGL08',
-            MESSAGE = format('job %s is %s; only queued jobs can be cancelled', p_job_id, v_job.status),
-            HINT = CASE v_job.status
-                       WHEN 'running' THEN 'a running call cannot be taken back; wait for it to finish'
-                       ELSE 'it is finished already' END;
-    END IF;
     UPDATE pglane.jobs j SET status = 'cancelled', finished_at = now() WHERE j.id = p_job_id;
     PERFORM pglane.queue_delta(v_job.lane, -1);
     RETURN true;

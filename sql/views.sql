@@ -6,10 +6,8 @@
 -- lane_consumers: how many sessions hold a slot of the lane right now (session advisory locks).
 CREATE OR REPLACE FUNCTION pglane.lane_consumers(p_lane_id integer, p_slots integer) RETURNS integer
 LANGUAGE sql STABLE AS $$
-    SELECT count(DISTINCT k.pid)::integer FROM pg_locks k
-     WHERE k.locktype = 'advisory' AND k.granted AND k.mode = 'ExclusiveLock' AND k.objsubid = 2
-       AND k.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
-       AND k.classid = p_lane_id::oid AND k.objid::bigint BETWEEN 1 AND p_slots;
+    SELECT count(DISTINCT h.pid)::integer FROM pglane.slot_holders h
+     WHERE h.lane_id = p_lane_id AND h.slot <= p_slots AND h.granted AND h.mode = 'ExclusiveLock';
 $$;
 
 CREATE OR REPLACE VIEW pglane.lane_status AS

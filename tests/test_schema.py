@@ -128,6 +128,18 @@ def test_a_database_at_the_baseline_upgrades_with_its_jobs_and_runs_them(dsn: st
     assert conn.execute("SELECT pglane.complete(%s, '1') AS ok", (claimed["attempt_id"],)).fetchone()["ok"]
 
 
+def test_no_pglane_function_or_relation_is_open_to_public(conn: Any) -> None:
+    # PostgreSQL grants EXECUTE to PUBLIC on every new function; each revision must take it back.
+    public = conn.execute(
+        "SELECT p.oid::regprocedure::text AS name FROM pg_proc p"
+        " WHERE p.pronamespace = 'pglane'::regnamespace AND EXISTS (SELECT 1 FROM"
+        "  aclexplode(coalesce(p.proacl, acldefault('f', p.proowner))) a WHERE a.grantee = 0)"
+        " UNION ALL SELECT c.oid::regclass::text FROM pg_class c WHERE c.relnamespace = 'pglane'::regnamespace"
+        " AND EXISTS (SELECT 1 FROM aclexplode(coalesce(c.relacl, acldefault('r', c.relowner))) a"
+        "  WHERE a.grantee = 0)").fetchall()
+    assert public == []
+
+
 def test_alembic_version_table_lives_in_the_pglane_schema(conn: Any) -> None:
     row = conn.execute("SELECT to_regclass('pglane.alembic_version') AS inside,"
                        " to_regclass('public.alembic_version') AS outside").fetchone()

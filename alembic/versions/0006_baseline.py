@@ -25,7 +25,7 @@ Invariants kept here, next to the state they protect:
 - jobs.in_queue is generated from status: no writer can make it disagree, and the queue index keyed
   on it lets a completion (running -> done) be a HOT update;
 - nobody but the owner may UPDATE or DELETE jobs and attempts; EXECUTE on pglane's functions is
-  revoked from PUBLIC; every function a role may call that writes is SECURITY DEFINER with a fixed
+  revoked from PUBLIC (by apply_sql, after every revision's functions); every function a role may call that writes is SECURITY DEFINER with a fixed
   search_path (see sql/).
 
 Roles are cluster-wide while pglane's schema is per database: they are created only when missing (a
@@ -160,9 +160,7 @@ END $$;
 """
 
 GRANTS = r"""
-REVOKE ALL ON ALL FUNCTIONS IN SCHEMA pglane FROM PUBLIC;
 REVOKE ALL ON ALL TABLES IN SCHEMA pglane FROM PUBLIC;
-ALTER DEFAULT PRIVILEGES IN SCHEMA pglane REVOKE EXECUTE ON FUNCTIONS FROM PUBLIC;
 
 GRANT USAGE ON SCHEMA pglane TO pglane_producer, pglane_worker, pglane_operator;
 GRANT SELECT ON pglane.alembic_version TO pglane_producer, pglane_worker, pglane_operator;
@@ -210,7 +208,6 @@ def downgrade() -> None:
         """
         REVOKE ALL ON SCHEMA pglane FROM pglane_producer, pglane_worker, pglane_operator;
         REVOKE ALL ON pglane.alembic_version FROM pglane_producer, pglane_worker, pglane_operator;
-        ALTER DEFAULT PRIVILEGES IN SCHEMA pglane GRANT EXECUTE ON FUNCTIONS TO PUBLIC;
         DROP VIEW IF EXISTS pglane.job_status, pglane.lane_status CASCADE;
         DROP TABLE IF EXISTS pglane.attempts, pglane.jobs, pglane.lane_counters, pglane.lanes CASCADE;
         DROP DOMAIN IF EXISTS pglane.job_state, pglane.attempt_state CASCADE;
