@@ -1,12 +1,16 @@
 """The error tree: every failure a user can meet is a PglaneError that says what was wrong and
 what to do next.
 
-The SQL in ``sql/`` raises with pglane's own SQLSTATE codes (class ``PG``, see ``SQLSTATES``) and
-with named CHECK constraints; ``translate()`` maps those codes and constraint names, never message
-text, onto this tree. It is the only place where database errors become pglane errors.
+The SQL in ``sql/`` raises with pglane's own SQLSTATE codes (class ``PG``, which PostgreSQL does not
+use) and with named CHECK constraints. Each class declares the code it stands for as ``sqlstate``
+(as psycopg's own error classes do); ``SQLSTATES`` is built from those declarations, never kept by
+hand. ``translate()`` maps codes and constraint names, never message text, onto this tree: it is the
+only place where database errors become pglane errors.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import psycopg
 
@@ -17,8 +21,27 @@ def first_line(exc: BaseException | None) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+# pglane's own SQLSTATEs, raised by sql/*.sql with ERRCODE: filled by the classes below as they are
+# defined (PglaneError.__init_subclass__), one class per code.
+SQLSTATES: dict[str, type[PglaneError]] = {}
+
+
 class PglaneError(Exception):
     """Root of every error pglane raises on purpose."""
+
+    # The SQLSTATE the SQL raises for this error, or None when it is not raised by the database. Each
+    # class declares its own: a subclass that declares none has none (it never inherits its parent's).
+    sqlstate: ClassVar[str | None] = None
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        code = cls.__dict__.get("sqlstate")
+        if code is None:
+            cls.sqlstate = None
+            return
+        if code in SQLSTATES:
+            raise TypeError(f"SQLSTATE {code} is claimed by {SQLSTATES[code].__name__} and {cls.__name__}")
+        SQLSTATES[code] = cls
 
 
 class ConfigurationError(PglaneError):
@@ -30,7 +53,14 @@ class DatabaseUnavailable(PglaneError):
 
 
 class SchemaError(PglaneError):
-    """The database is not migrated to the version this pglane expects."""
+    """The database is not migrated to the version this pglane expects, or cannot be migrated."""
+
+
+class InsufficientPrivilege(SchemaError):
+    """The role running the migration may not do what it needs (it lacks CREATEROLE to create
+    pglane's group roles): nothing was changed; migrate as a role that has it."""
+
+    sqlstate = "PGL11"
 
 
 class EmbeddedServerError(PglaneError):
@@ -40,60 +70,61 @@ class EmbeddedServerError(PglaneError):
 class InvalidInput(PglaneError):
     """A value was refused before anything was written: nothing changed."""
 
+    sqlstate = "PGL10"
+
 
 class UnknownLane(InvalidInput):
-    pass
+    sqlstate = "PGL01"
 
 
 class InvalidPayload(InvalidInput):
-    pass
+    sqlstate = "PGL02"
 
 
 class PayloadTooLarge(InvalidInput):
-    pass
+    sqlstate = "PGL03"
 
 
 class InvalidIdempotencyKey(InvalidInput):
-    pass
+    sqlstate = "PGL07"
 
 
 class InvalidLane(InvalidInput):
     """Lane settings out of range or contradictory (a CHECK refused them)."""
 
 
+class UnknownJob(InvalidInput):
+    sqlstate = "PGL09"
+
+
 class LaneFull(PglaneError):
     """The lane holds ``max_queued`` queued jobs already; nothing was written."""
+
+    sqlstate = "PGL04"
 
 
 class IdempotencyConflict(PglaneError):
     """The same idempotency key was sent with a different payload; nothing was written."""
 
+    sqlstate = "PGL05"
+
 
 class NoSlotHeld(PglaneError):
     """claim() was called by a session that holds no slot lock of the lane."""
 
+    sqlstate = "PGL06"
 
-class UnknownJob(InvalidInput):
-    pass
+
+class SlotLost(NoSlotHeld):
+    """A worker's slot session no longer holds its slot (the database refused its claim with PGL06):
+    the worker reconnects and takes a slot again before it claims."""
 
 
 class InvalidTransition(PglaneError):
     """retry/cancel asked for a job whose status does not allow it; nothing changed."""
 
+    sqlstate = "PGL08"
 
-# pglane's own SQLSTATEs, raised by sql/*.sql with ERRCODE. Class "PG" is not used by PostgreSQL.
-SQLSTATES: dict[str, type[PglaneError]] = {
-    "PGL01": UnknownLane,
-    "PGL02": InvalidPayload,
-    "PGL03": PayloadTooLarge,
-    "PGL04": LaneFull,
-    "PGL05": IdempotencyConflict,
-    "PGL06": NoSlotHeld,
-    "PGL07": InvalidIdempotencyKey,
-    "PGL08": InvalidTransition,
-    "PGL09": UnknownJob,
-    "PGL10": InvalidInput,
-}
 
 # Named CHECK constraints (alembic owns them) and what to tell the user when one refuses a value.
 CONSTRAINT_HINTS: dict[str, str] = {
