@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pglane
-from tests.conftest import Workers, metrics_port, scrape, wait_until
+from pglane import queries
+from tests.conftest import Workers, claim, claimed, metrics_port, scrape, take_slot, wait_until
 
 ROLES = ("producer", "worker", "operator", "nobody")
 
@@ -46,8 +47,8 @@ def as_role(dsn: str, conn: Any) -> Iterator[Callable[[str], Any]]:
 def _claimed(conn: Any, session: Any) -> int:
     """A running attempt, claimed by ``session`` (which takes the slot), as the owner sets it up."""
     pglane.enqueue(conn, "brain", {})
-    session.execute("SELECT pg_advisory_lock(1, 1)")
-    return int(session.execute("SELECT attempt_id FROM pglane.claim('brain', 'w')").fetchone()["attempt_id"])
+    take_slot(session, "brain")
+    return int(claimed(session, "brain")["attempt_id"])
 
 
 def _failed(conn: Any) -> int:
@@ -107,14 +108,12 @@ def test_privilege_matrix(as_role: Callable[[str], Any], conn: Any, lane: str, r
 
 
 def test_a_worker_role_reads_its_own_queue_gauges(as_role: Callable[[str], Any], conn: Any, lane: str) -> None:
-    from pglane.metrics import QUEUE
-
     for _ in range(2):
         pglane.enqueue(conn, lane, {})
     worker = as_role("worker")
-    worker.execute("SELECT pg_advisory_lock(1, 1)")
-    assert worker.execute("SELECT job_id FROM pglane.claim(%s, 'w')", (lane,)).fetchone() is not None
-    row = worker.execute(QUEUE, {"lane": lane}).fetchone()
+    take_slot(worker, lane)
+    assert claim(worker, lane) is not None
+    row = worker.execute(queries.QUEUE_GAUGES, {"lane": lane}).fetchone()
     assert (row["queued"], row["running"]) == (1, 1)
 
 
@@ -141,7 +140,7 @@ def test_a_worker_process_logged_in_as_a_worker_role_runs_jobs_and_reports_its_g
 def test_the_roles_migration_is_safe_to_run_again_after_a_downgrade(dsn: str, conn: Any) -> None:
     from pglane import schema
 
-    schema.downgrade(dsn, "0001")
+    schema.downgrade(dsn)  # to base: the schema goes, the roles stay
     roles = conn.execute("SELECT count(*) AS n FROM pg_roles WHERE rolname LIKE 'pglane\\_%%'"
                          " AND rolname NOT LIKE 'pglane\\_test\\_%%'").fetchone()["n"]
     assert roles == 3  # cluster-wide roles stay for the other databases
