@@ -67,7 +67,7 @@ BEGIN
 
     UPDATE pglane.lane_counters c
        SET last_seq = c.last_seq + 1,
-           queued = c.queued - (v_lane.max_queued IS NOT NULL)::integer
+           left_queue = c.left_queue + (v_lane.max_queued IS NOT NULL)::integer
      WHERE c.lane_id = v_lane.id
     RETURNING c.last_seq INTO r.seq;
 
@@ -78,10 +78,11 @@ BEGIN
 
     r.lease_expires_at := now() + v_lane.lease_timeout;
     INSERT INTO pglane.attempts AS a
-           (job_id, attempt_number, worker, backend_pid, backend_start, lease_expires_at, seq)
-    SELECT r.job_id, r.attempt_number, p_worker, pg_backend_pid(), s.backend_start, r.lease_expires_at, r.seq
+           (job_id, attempt_number, worker, backend_pid, backend_start, lease_expires_at, seq, token)
+    SELECT r.job_id, r.attempt_number, p_worker, pg_backend_pid(), s.backend_start, r.lease_expires_at, r.seq,
+           gen_random_uuid()
       FROM pg_stat_get_activity(pg_backend_pid()) s
-    RETURNING a.id INTO r.attempt_id;
+    RETURNING a.id, a.token INTO r.attempt_id, r.token;
     r.lane := p_lane;
     RETURN r;
 END $$;
@@ -91,6 +92,8 @@ END $$;
 -- row records the session identity (pid + backend_start) that recovery later checks, and the lane's
 -- gapless seq is bumped under the counters row lock. SKIP LOCKED lets several slots claim at once
 -- without waiting on each other's candidate rows. Returns no row when nothing is eligible.
+-- The row's `token` is the attempt's secret: complete() and fail() from any other session need it
+-- (pglane_worker cannot read attempts.token; only the claimer was told).
 CREATE OR REPLACE FUNCTION pglane.claim(p_lane text, p_worker text) RETURNS SETOF pglane.claimed
 LANGUAGE sql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
@@ -99,13 +102,46 @@ AS $$
 $$;
 
 
-CREATE OR REPLACE FUNCTION pglane.complete_impl(p_attempt_id bigint, p_result jsonb)
+-- may_write: whether the caller may write an outcome of an attempt whose token, session pid and
+-- session start are given: it holds the token, or, giving none, it is the claiming session itself
+-- (a consumer that claims and completes on one connection needs no token; a late result after a
+-- reconnect does). Inlined into the guards below.
+CREATE OR REPLACE FUNCTION pglane.may_write(p_token uuid, p_attempt_token uuid, p_pid integer,
+                                            p_backend_start timestamptz) RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT CASE WHEN p_token IS NOT NULL THEN p_token = p_attempt_token
+                ELSE p_pid = pg_backend_pid()
+                     AND p_backend_start = (SELECT s.backend_start FROM pg_stat_get_activity(pg_backend_pid()) s)
+           END;
+$$;
+
+-- not_the_claimer: refuse (PGL12) an outcome for attempt p_attempt_id from a caller without its proof.
+CREATE OR REPLACE FUNCTION pglane.not_the_claimer(p_attempt_id bigint) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION USING ERRCODE = 'PGL12',
+        MESSAGE = format('attempt %s was claimed by another session: nothing was written', p_attempt_id),
+        HINT = 'only the claimer may write an outcome: pass the token that claim() returned to it';
+END $$;
+
+-- bounded_error: an error text kept to at most about 64 kB: its head and its tail (where a traceback
+-- names the failing line), with how much was cut between them.
+CREATE OR REPLACE FUNCTION pglane.bounded_error(p_error text) RETURNS text
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE WHEN length(p_error) <= 65536 THEN p_error
+                ELSE left(p_error, 32768) || format(E'\n[... %s characters cut ...]\n', length(p_error) - 65536)
+                     || right(p_error, 32768)
+           END;
+$$;
+
+CREATE OR REPLACE FUNCTION pglane.complete_impl(p_attempt_id bigint, p_result jsonb, p_token uuid)
 RETURNS boolean
 LANGUAGE plpgsql AS $$
 DECLARE
     v_job    bigint;
     v_number integer;
     v_late   record;
+    v_proof  boolean;
 BEGIN
     -- The usual case: the job is running and this is its latest attempt. The UPDATE takes the job's
     -- row lock and, had it to wait, re-checks the guard on the newest row version (the attempt's
@@ -113,7 +149,8 @@ BEGIN
     -- transition of that attempt moves the job too).
     UPDATE pglane.jobs j SET status = 'done', finished_at = now(), result = p_result
       FROM pglane.attempts a
-     WHERE a.id = p_attempt_id AND j.id = a.job_id AND j.status = 'running' AND j.attempts = a.attempt_number;
+     WHERE a.id = p_attempt_id AND j.id = a.job_id AND j.status = 'running' AND j.attempts = a.attempt_number
+       AND pglane.may_write(p_token, a.token, a.backend_pid, a.backend_start);
     IF FOUND THEN
         UPDATE pglane.attempts a SET status = 'done', finished_at = now()
          WHERE a.id = p_attempt_id AND a.status = 'running';
@@ -123,9 +160,13 @@ BEGIN
         RETURN true;
     END IF;
 
-    SELECT a.job_id, a.attempt_number INTO v_job, v_number FROM pglane.attempts a WHERE a.id = p_attempt_id;
+    SELECT a.job_id, a.attempt_number, pglane.may_write(p_token, a.token, a.backend_pid, a.backend_start)
+      INTO v_job, v_number, v_proof FROM pglane.attempts a WHERE a.id = p_attempt_id;
     IF NOT FOUND THEN
         RETURN false;
+    END IF;
+    IF NOT v_proof THEN
+        PERFORM pglane.not_the_claimer(p_attempt_id);
     END IF;
     -- A late result: accepted from an attempt that recovery marked lost, while it is still the job's
     -- latest and the job is failed or back in the queue (the paid output is kept).
@@ -144,30 +185,34 @@ BEGIN
     END IF;
     UPDATE pglane.jobs j SET status = 'done', finished_at = now(), result = p_result WHERE j.id = v_job;
     IF v_late.status = 'queued' THEN
-        PERFORM pglane.queue_delta(v_late.lane, -1);
+        PERFORM pglane.queue_left(v_late.lane);
     END IF;
     RETURN true;
 END $$;
 
 -- complete: store the result of attempt p_attempt_id; true if it was accepted.
--- Guard: the attempt must be its job's latest, and either still running on a running job, or marked
+-- Guard: the caller holds the attempt's token (or is the claiming session; PGL12 otherwise, nothing
+-- written); the attempt must be its job's latest, and either still running on a running job, or marked
 -- lost by recovery with the job failed or back in the queue and no newer attempt (a late result:
 -- the paid output is kept). Anything else (a newer attempt exists, the job was cancelled, the
 -- attempt already finished) returns false and changes nothing.
-CREATE OR REPLACE FUNCTION pglane.complete(p_attempt_id bigint, p_result jsonb DEFAULT NULL)
+CREATE OR REPLACE FUNCTION pglane.complete(p_attempt_id bigint, p_result jsonb DEFAULT NULL,
+                                           p_token uuid DEFAULT NULL)
 RETURNS boolean
 LANGUAGE sql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
 AS $$
-    SELECT pglane.complete_impl(p_attempt_id, p_result);
+    SELECT pglane.complete_impl(p_attempt_id, p_result, p_token);
 $$;
 
 -- fail: record that attempt p_attempt_id failed (or timed out); true if it was accepted.
 -- Same guard as complete for a running attempt. The job goes back to the queue after the lane's
 -- retry_backoff (doubling per attempt, capped at one hour) while attempts remain, else it is failed;
 -- it is failed too when its bounded lane is full, with the reason and the command to run it later.
--- A failure always says why: given no reason (NULL or blank), it records that none was given.
-CREATE OR REPLACE FUNCTION pglane.fail(p_attempt_id bigint, p_error text, p_timed_out boolean DEFAULT false)
+-- A failure always says why: given no reason (NULL or blank), it records that none was given; a
+-- reason longer than 64 kB keeps its head and tail (bounded_error).
+CREATE OR REPLACE FUNCTION pglane.fail(p_attempt_id bigint, p_error text, p_timed_out boolean DEFAULT false,
+                                       p_token uuid DEFAULT NULL)
 RETURNS boolean
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
@@ -175,8 +220,15 @@ AS $$
 DECLARE
     v_job pglane.jobs;
 BEGIN
-    p_error := coalesce(nullif(btrim(p_error, E' \t\r\n'), ''),
-                        'failed without a reason: the consumer called pglane.fail() with an empty error');
+    p_error := pglane.bounded_error(coalesce(nullif(btrim(p_error, E' \t\r\n'), ''),
+                        'failed without a reason: the consumer called pglane.fail() with an empty error'));
+    IF NOT EXISTS (SELECT 1 FROM pglane.attempts a WHERE a.id = p_attempt_id
+                      AND pglane.may_write(p_token, a.token, a.backend_pid, a.backend_start)) THEN
+        IF EXISTS (SELECT 1 FROM pglane.attempts a WHERE a.id = p_attempt_id) THEN
+            PERFORM pglane.not_the_claimer(p_attempt_id);
+        END IF;
+        RETURN false;
+    END IF;
     SELECT j.* INTO v_job FROM pglane.jobs j
      WHERE j.id = (SELECT a.job_id FROM pglane.attempts a WHERE a.id = p_attempt_id)
        FOR UPDATE;
@@ -201,7 +253,8 @@ END $$;
 -- complete_and_claim: the worker's fast path: complete attempt p_attempt_id and claim the lane's next
 -- job in one round trip and one commit. Same guards as complete() and claim(); `completed` says
 -- whether the result was accepted, the other columns are the next job (NULL when none is eligible).
-CREATE OR REPLACE FUNCTION pglane.complete_and_claim(p_attempt_id bigint, p_result jsonb, p_lane text, p_worker text)
+CREATE OR REPLACE FUNCTION pglane.complete_and_claim(p_attempt_id bigint, p_result jsonb, p_lane text, p_worker text,
+                                                     p_token uuid DEFAULT NULL)
 RETURNS pglane.claimed
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
@@ -210,7 +263,7 @@ DECLARE
     v_completed boolean;
     r           pglane.claimed;
 BEGIN
-    v_completed := pglane.complete_impl(p_attempt_id, p_result);  -- first: the claim may take its slot's next job
+    v_completed := pglane.complete_impl(p_attempt_id, p_result, p_token);  -- first: the claim may take its slot's next job
     r := pglane.claim_impl(p_lane, p_worker);
     r.completed := v_completed;
     RETURN r;

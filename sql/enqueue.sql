@@ -29,11 +29,25 @@ BEGIN
                              coalesce(jsonb_typeof(NEW.payload), 'NULL')),
             HINT = 'wrap the value, e.g. {"value": ...}';
     END IF;
+    -- The size in jsonb's binary form, before the compression that storing may add.
     v_size := pg_column_size(NEW.payload);
     IF v_size > v_max_bytes THEN
         RAISE EXCEPTION USING ERRCODE = 'PGL03',
-            MESSAGE = format('payload of %s bytes exceeds the %s-byte limit of lane %L', v_size, v_max_bytes, NEW.lane),
+            MESSAGE = format('payload of %s bytes (in jsonb form, uncompressed) exceeds the %s-byte limit of lane %L',
+                             v_size, v_max_bytes, NEW.lane),
             HINT = 'store large inputs elsewhere and enqueue a reference to them';
+    END IF;
+    -- What every consumer can decode: no value nested deeper than 64 levels, no number of 1000 or
+    -- more digits before the point (JSON decoders, Python's among them, refuse or overflow on them).
+    IF jsonb_path_exists(NEW.payload, 'strict $.**{65}') THEN
+        RAISE EXCEPTION USING ERRCODE = 'PGL02',
+            MESSAGE = 'payload is nested more than 64 levels deep',
+            HINT = 'flatten the payload; consumers cannot be relied on to decode deeper nesting';
+    END IF;
+    IF jsonb_path_exists(NEW.payload, 'strict $.** ? (@.type() == "number" && (@ >= 1e999 || @ <= -1e999))') THEN
+        RAISE EXCEPTION USING ERRCODE = 'PGL02',
+            MESSAGE = 'payload holds a number with 1000 or more digits before the point',
+            HINT = 'send such a number as a string';
     END IF;
     IF NEW.idempotency_key IS NOT NULL AND length(NEW.idempotency_key) NOT BETWEEN 1 AND 255 THEN
         RAISE EXCEPTION USING ERRCODE = 'PGL07',
@@ -42,6 +56,7 @@ BEGIN
             HINT = 'hash a long request identity down to a short key';
     END IF;
     NEW.created_at := now();  -- service order is the server's, not the client's
+    NEW.enqueued_by := pglane.caller();  -- producers see their own jobs only
     NEW.run_after := coalesce(NEW.run_after, NEW.created_at);
     RETURN NEW;
 END $$;
@@ -51,8 +66,11 @@ CREATE TRIGGER jobs_before_insert BEFORE INSERT ON pglane.jobs
     FOR EACH ROW EXECUTE FUNCTION pglane.jobs_before_insert();
 
 -- jobs_after_insert: once per statement, per lane touched: enforce max_queued and wake the lane.
--- The bound holds under concurrent producers because the counter update takes the counters row
--- lock until commit; an excess raises and rolls the whole statement back, so nothing is written.
+-- The bound holds under concurrent producers because the admissions update takes that row's lock
+-- until commit; an excess raises and rolls the whole statement back, so nothing is written. Claims
+-- count what left the queue on another row (lane_counters), so a producer's open transaction never
+-- holds up a claim; a count read here that a claim has not yet committed only makes the check
+-- stricter, never looser.
 CREATE OR REPLACE FUNCTION pglane.jobs_after_insert() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
@@ -66,8 +84,9 @@ BEGIN
                JOIN pglane.lanes l ON l.name = n.lane
     LOOP
         IF r.max_queued IS NOT NULL THEN
-            UPDATE pglane.lane_counters c SET queued = c.queued + r.added
-             WHERE c.lane_id = r.id RETURNING c.queued INTO v_depth;
+            UPDATE pglane.lane_admissions a SET admitted = a.admitted + r.added
+             WHERE a.lane_id = r.id RETURNING a.admitted INTO v_depth;
+            v_depth := v_depth - (SELECT c.left_queue FROM pglane.lane_counters c WHERE c.lane_id = r.id);
             IF v_depth > r.max_queued THEN
                 RAISE EXCEPTION USING ERRCODE = 'PGL04',
                     MESSAGE = format('lane %L is full: max_queued is %s and %s job(s) are queued',
@@ -87,7 +106,10 @@ CREATE TRIGGER jobs_after_insert AFTER INSERT ON pglane.jobs
 
 -- enqueue: add a job and return its id. The same key again returns the existing job's id, whatever
 -- its status, and writes nothing; the same key with another payload is an error. A concurrent twin
--- waits on the unique index for the first insert to commit, then finds it.
+-- waits on the unique index for the first insert to commit, then finds it. A key another login
+-- enqueued is refused alike whatever the payload (PGL05), so that the answer reveals nothing of that
+-- job; operators and workers, who see every job, get the job id as usual. (A role that was never
+-- granted pglane_producer cannot call this at all.)
 CREATE OR REPLACE FUNCTION pglane.enqueue(
     p_lane text,
     p_payload jsonb DEFAULT '{}',
@@ -100,6 +122,7 @@ AS $$
 DECLARE
     v_id       bigint;
     v_existing jsonb;
+    v_owner    text;
 BEGIN
     INSERT INTO pglane.jobs AS j (lane, payload, idempotency_key, run_after)
     VALUES (p_lane, p_payload, p_idempotency_key, p_run_after)
@@ -108,12 +131,17 @@ BEGIN
     IF v_id IS NOT NULL THEN
         RETURN v_id;
     END IF;
-    SELECT j.id, j.payload INTO v_id, v_existing
+    SELECT j.id, j.payload, j.enqueued_by INTO v_id, v_existing, v_owner
       FROM pglane.jobs j WHERE j.lane = p_lane AND j.idempotency_key = p_idempotency_key;
     IF NOT FOUND THEN  -- the holder of the key was deleted (pruned) between the two statements
         RAISE EXCEPTION USING ERRCODE = '40001',
             MESSAGE = format('job with idempotency key %L vanished while enqueueing', p_idempotency_key),
             HINT = 'retry the enqueue';
+    END IF;
+    IF v_owner IS DISTINCT FROM pglane.caller() AND NOT pglane.sees_every_job(pglane.caller()::name) THEN
+        RAISE EXCEPTION USING ERRCODE = 'PGL05',
+            MESSAGE = format('idempotency key %L of lane %L is in use by another producer', p_idempotency_key, p_lane),
+            HINT = 'keys are shared by every producer of a lane: prefix yours with your application''s name';
     END IF;
     IF v_existing IS DISTINCT FROM p_payload THEN
         RAISE EXCEPTION USING ERRCODE = 'PGL05',

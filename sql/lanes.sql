@@ -11,14 +11,35 @@ SELECT l.id AS lane_id, l.name AS lane, k.objid::integer AS slot, k.pid, k.mode,
  WHERE k.locktype = 'advisory' AND k.objsubid = 2
    AND k.database = (SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname = pg_catalog.current_database());
 
--- lanes_after_insert: every lane gets its counters row in the same transaction, so claim() and the
--- bound check can rely on it existing.
+-- caller: the role the calling session acts as (its SET ROLE, else its login), also from inside a
+-- SECURITY DEFINER function, where current_user is pglane's owner. A producer's jobs are the ones
+-- enqueued while acting as it.
+CREATE OR REPLACE FUNCTION pglane.caller() RETURNS text
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT CASE WHEN current_setting('role') = 'none' THEN session_user::text ELSE current_setting('role') END;
+$$;
+
+-- sees_every_job: whether role p_role may see every job and the key of any: pglane's operators and
+-- workers, and the owner of pglane's tables. Producers see only the jobs they enqueued (caller()).
+CREATE OR REPLACE FUNCTION pglane.sees_every_job(p_role name) RETURNS boolean
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT pg_has_role(p_role, 'pglane_operator', 'USAGE') OR pg_has_role(p_role, 'pglane_worker', 'USAGE')
+        OR pg_has_role(p_role, (SELECT c.relowner FROM pg_class c WHERE c.oid = 'pglane.jobs'::regclass), 'USAGE');
+$$;
+
+-- lanes_after_insert: every lane gets its counters and admissions rows in the same transaction, so
+-- claim() and the bound check can rely on them existing.
 CREATE OR REPLACE FUNCTION pglane.lanes_after_insert() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
 AS $$
 BEGIN
     INSERT INTO pglane.lane_counters (lane_id) VALUES (NEW.id);
+    INSERT INTO pglane.lane_admissions (lane_id) VALUES (NEW.id);
     RETURN NULL;
 END $$;
 
@@ -27,8 +48,8 @@ CREATE TRIGGER lanes_after_insert AFTER INSERT ON pglane.lanes
     FOR EACH ROW EXECUTE FUNCTION pglane.lanes_after_insert();
 
 -- lanes_before_update: lane names are the jobs' foreign key and ids are lock keys: neither changes.
--- When max_queued goes from unset to set, the queued counter (maintained only for bounded lanes) is
--- recounted under the counters row lock.
+-- When max_queued goes from unset to set, the queue depth (admitted - left_queue, maintained only for
+-- bounded lanes) is recounted under both rows' locks.
 CREATE OR REPLACE FUNCTION pglane.lanes_before_update() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
@@ -40,9 +61,10 @@ BEGIN
             HINT = 'create a new lane; jobs and lock keys refer to this one';
     END IF;
     IF OLD.max_queued IS NULL AND NEW.max_queued IS NOT NULL THEN
-        UPDATE pglane.lane_counters c
-           SET queued = (SELECT count(*) FROM pglane.jobs j WHERE j.lane = NEW.name AND j.in_queue)
-         WHERE c.lane_id = NEW.id;
+        UPDATE pglane.lane_counters c SET left_queue = 0 WHERE c.lane_id = NEW.id;
+        UPDATE pglane.lane_admissions a
+           SET admitted = (SELECT count(*) FROM pglane.jobs j WHERE j.lane = NEW.name AND j.in_queue)
+         WHERE a.lane_id = NEW.id;
     END IF;
     RETURN NEW;
 END $$;
@@ -51,26 +73,33 @@ DROP TRIGGER IF EXISTS lanes_before_update ON pglane.lanes;
 CREATE TRIGGER lanes_before_update BEFORE UPDATE ON pglane.lanes
     FOR EACH ROW EXECUTE FUNCTION pglane.lanes_before_update();
 
--- queue_delta: keep a bounded lane's queued counter right when a job leaves the queue other than by
--- claim (cancel, a late result). Jobs enter through the insert trigger or queue_admit, which check the
--- bound. Caller holds the job's row lock.
-CREATE OR REPLACE FUNCTION pglane.queue_delta(p_lane text, p_delta integer) RETURNS void
+-- A bounded lane's queue depth is lane_admissions.admitted - lane_counters.left_queue: producers and
+-- re-queues count in on the admissions row, under whose lock the bound is checked; claims, cancels
+-- and late results count out on the counters row, which claims lock anyway. So a claim never waits
+-- for a producer's open transaction. Both are maintained only while max_queued is set.
+
+-- queue_left: a job of a bounded lane left the queue other than by claim (cancel, a late result).
+-- Caller holds the job's row lock.
+CREATE OR REPLACE FUNCTION pglane.queue_left(p_lane text) RETURNS void
 LANGUAGE sql AS $$
-    UPDATE pglane.lane_counters c SET queued = c.queued + p_delta
+    UPDATE pglane.lane_counters c SET left_queue = c.left_queue + 1
       FROM pglane.lanes l
      WHERE l.name = p_lane AND c.lane_id = l.id AND l.max_queued IS NOT NULL;
 $$;
 
 -- queue_admit: a job that was admitted once goes back into the queue (a retry after a failure or a
--- lost worker, an operator's retry). On a bounded lane it takes one place under the counters row lock
--- and, when the lane is full, takes none and returns false: max_queued holds for returning jobs as it
--- does for new ones, never more. Always true on an unbounded lane. Caller holds the job's row lock.
+-- lost worker, an operator's retry). On a bounded lane it takes one place under the admissions row
+-- lock and, when the lane is full, takes none and returns false: max_queued holds for returning jobs
+-- as it does for new ones, never more. Always true on an unbounded lane. Caller holds the job's row
+-- lock. (It waits for a producer's open transaction on the lane, as producers wait for each other.)
 CREATE OR REPLACE FUNCTION pglane.queue_admit(p_lane text) RETURNS boolean
 LANGUAGE sql AS $$
     WITH lane AS (SELECT l.id, l.max_queued FROM pglane.lanes l WHERE l.name = p_lane),
-         taken AS (UPDATE pglane.lane_counters c SET queued = c.queued + 1
+         taken AS (UPDATE pglane.lane_admissions a SET admitted = a.admitted + 1
                      FROM lane
-                    WHERE c.lane_id = lane.id AND lane.max_queued IS NOT NULL AND c.queued < lane.max_queued
+                    WHERE a.lane_id = lane.id AND lane.max_queued IS NOT NULL
+                      AND a.admitted - (SELECT c.left_queue FROM pglane.lane_counters c WHERE c.lane_id = lane.id)
+                          < lane.max_queued
                    RETURNING 1)
     SELECT lane.max_queued IS NULL OR EXISTS (SELECT 1 FROM taken) FROM lane;
 $$;

@@ -9,7 +9,9 @@
 CREATE OR REPLACE FUNCTION pglane.session_alive(
     p_pid integer, p_backend_start timestamptz, p_lane_id integer, p_slots integer
 ) RETURNS boolean
-LANGUAGE sql STABLE AS $$
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
     SELECT EXISTS (SELECT 1 FROM pg_stat_get_activity(p_pid) s
                     WHERE s.backend_start IS NULL OR s.backend_start = p_backend_start)
        AND EXISTS (SELECT 1 FROM pglane.slot_holders h
@@ -137,6 +139,6 @@ DECLARE
     v_job pglane.jobs := pglane.decided_job(p_job_id, '{queued}', 'only queued jobs can be cancelled');
 BEGIN
     UPDATE pglane.jobs j SET status = 'cancelled', finished_at = now() WHERE j.id = p_job_id;
-    PERFORM pglane.queue_delta(v_job.lane, -1);
+    PERFORM pglane.queue_left(v_job.lane);
     RETURN true;
 END $$;

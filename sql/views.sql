@@ -5,10 +5,22 @@
 
 -- lane_consumers: how many sessions hold a slot of the lane right now (session advisory locks).
 CREATE OR REPLACE FUNCTION pglane.lane_consumers(p_lane_id integer, p_slots integer) RETURNS integer
-LANGUAGE sql STABLE AS $$
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
     SELECT count(DISTINCT h.pid)::integer FROM pglane.slot_holders h
      WHERE h.lane_id = p_lane_id AND h.slot <= p_slots AND h.granted AND h.mode = 'ExclusiveLock';
 $$;
+
+-- slot_sessions: who holds or waits for each slot right now, with the session's role and application;
+-- `squatter` marks a granted lock that is not a pglane worker's: a shared lock (it keeps every worker
+-- out of the slot), or a session whose role is not a member of pglane_worker.
+CREATE OR REPLACE VIEW pglane.slot_sessions AS
+SELECT h.lane_id, h.lane, h.slot, h.pid, h.mode, h.granted, s.usename::text AS role, s.application_name,
+       h.granted AND (h.mode <> 'ExclusiveLock' OR s.usename IS NULL
+                      OR NOT pg_has_role(s.usename, 'pglane_worker', 'USAGE')) AS squatter
+  FROM pglane.slot_holders h
+  LEFT JOIN pg_catalog.pg_stat_activity s ON s.pid = h.pid;
 
 CREATE OR REPLACE VIEW pglane.lane_status AS
 WITH counts AS (
@@ -31,6 +43,21 @@ WITH counts AS (
            count(*) FILTER (WHERE ra.alive AND ra.past_lease) AS stuck
       FROM pglane.running_attempts ra
      GROUP BY ra.lane
+), holders AS (
+    SELECT ss.lane_id,
+           jsonb_agg(jsonb_build_object('slot', ss.slot, 'pid', ss.pid, 'role', ss.role,
+                                        'application', ss.application_name, 'mode', ss.mode,
+                                        'granted', ss.granted, 'squatter', ss.squatter)
+                     ORDER BY ss.slot, ss.granted DESC, ss.pid) AS holders,
+           (array_agg(format('end session %s (role %s, application %L), which holds slot %s of lane %s with a %s '
+                             'but is not a pglane worker: SELECT pg_terminate_backend(%s); then keep it out '
+                             '(REVOKE CONNECT, or revoke its role''s membership)',
+                             ss.pid, coalesce(ss.role, '?'), coalesce(ss.application_name, ''), ss.slot,
+                             ss.lane, ss.mode, ss.pid) COLLATE "default" ORDER BY ss.slot)
+                FILTER (WHERE ss.squatter))[1] AS squatter_action,
+           count(*) FILTER (WHERE ss.squatter) AS squatters
+      FROM pglane.slot_sessions ss
+     GROUP BY ss.lane_id
 ), base AS (
     SELECT l.name AS lane, l.id AS lane_id, l.slots, pglane.lane_consumers(l.id, l.slots) AS consumers,
            coalesce(c.queued, 0) AS queued, coalesce(c.eligible, 0) AS eligible,
@@ -40,10 +67,12 @@ WITH counts AS (
            now() - c.oldest_eligible AS oldest_eligible_age,
            coalesce(c.arrived_5m, 0) AS arrived_5m, coalesce(c.finished_5m, 0) AS finished_5m,
            coalesce(an.orphaned, 0) AS orphaned, coalesce(an.stuck, 0) AS stuck,
-           l.max_queued, l.waiting_grace, l.job_timeout, l.lease_timeout, l.max_attempts
+           l.max_queued, l.waiting_grace, l.job_timeout, l.lease_timeout, l.max_attempts,
+           coalesce(h.holders, '[]') AS holders, coalesce(h.squatters, 0) AS squatters, h.squatter_action
       FROM pglane.lanes l
       LEFT JOIN counts c ON c.lane = l.name
       LEFT JOIN attempts_now an ON an.lane = l.name
+      LEFT JOIN holders h ON h.lane_id = l.id
 )
 SELECT b.lane, b.slots, b.consumers, b.queued, b.running, b.done, b.failed, b.cancelled,
        b.oldest_queued_age, b.orphaned AS lost_workers, b.stuck, b.max_queued, b.max_attempts,
@@ -56,6 +85,7 @@ SELECT b.lane, b.slots, b.consumers, b.queued, b.running, b.done, b.failed, b.ca
                format('inspect %s stuck attempt(s) past their lease with the worker still connected '
                       '(pglane jobs --lane %s --status running); end them with: pglane recover %s --terminate-stuck',
                       b.stuck, b.lane, b.lane)
+           WHEN b.squatters > 0 THEN b.squatter_action
            WHEN b.consumers = 0 AND b.queued > 0 THEN
                format('start a worker for lane %s: pglane worker %s --handler MODULE:CALLABLE', b.lane, b.lane)
            WHEN b.eligible > 0 AND b.oldest_eligible_age > b.waiting_grace AND b.arrived_5m > b.finished_5m THEN
@@ -65,12 +95,15 @@ SELECT b.lane, b.slots, b.consumers, b.queued, b.running, b.done, b.failed, b.ca
            WHEN b.consumers = 0 THEN
                format('nothing queued; start a worker for lane %s before work arrives', b.lane)
            ELSE 'nothing to do'
-       END AS next_safe_action
+       END AS next_safe_action,
+       b.holders, b.squatters
   FROM base b;
 
 -- queue_position counts the lane's queued jobs through the queue index (q.in_queue), so it costs
--- the backlog, not the history.
-CREATE OR REPLACE VIEW pglane.job_status AS
+-- the backlog, not the history. A producer sees the jobs it enqueued (caller()), nothing else; operators
+-- and workers see every job (sees_every_job, evaluated once per query). security_barrier: a caller's
+-- own conditions run only on the rows it may see, so no function of theirs reads another's row.
+CREATE OR REPLACE VIEW pglane.job_status WITH (security_barrier) AS
 SELECT j.id AS job_id, j.lane, j.status, j.created_at, j.run_after, j.started_at, j.finished_at,
        (j.status = 'queued' AND greatest(j.created_at, j.run_after) < now() - l.waiting_grace) AS waiting_for_worker,
        CASE WHEN j.status = 'queued' THEN
@@ -110,7 +143,9 @@ SELECT j.id AS job_id, j.lane, j.status, j.created_at, j.run_after, j.started_at
            END
            WHEN 'cancelled' THEN format('nothing to do: cancelled (pglane retry %s runs it after all)', j.id)
            ELSE 'nothing to do: done, result stored'
-       END AS next_safe_action
+       END AS next_safe_action,
+       j.result, j.enqueued_by
   FROM pglane.jobs j
   JOIN pglane.lanes l ON l.name = j.lane
-  LEFT JOIN pglane.attempts a ON a.job_id = j.id AND a.attempt_number = j.attempts;
+  LEFT JOIN pglane.attempts a ON a.job_id = j.id AND a.attempt_number = j.attempts
+ WHERE j.enqueued_by = (SELECT pglane.caller()) OR (SELECT pglane.sees_every_job(current_user));

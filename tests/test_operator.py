@@ -243,7 +243,8 @@ def depth(conn: Any, lane: str) -> tuple[int, int]:
     """(jobs queued in the lane, the bounded lane's counter): the two must agree."""
     row = conn.execute(
         "SELECT (SELECT count(*) FROM pglane.jobs j WHERE j.lane = l.name AND j.status = 'queued') AS real,"
-        " c.queued AS counted FROM pglane.lanes l JOIN pglane.lane_counters c ON c.lane_id = l.id"
+        " a.admitted - c.left_queue AS counted FROM pglane.lanes l JOIN pglane.lane_counters c ON c.lane_id = l.id"
+        " JOIN pglane.lane_admissions a ON a.lane_id = l.id"
         " WHERE l.name = %s", (lane,)).fetchone()
     return int(row["real"]), int(row["counted"])
 
