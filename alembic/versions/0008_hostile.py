@@ -40,7 +40,7 @@ ATTEMPT_COLUMNS = ("id, job_id, attempt_number, status, worker, backend_pid, bac
 
 def upgrade() -> None:
     op.execute(
-        f"""
+        """
         ALTER TABLE pglane.lanes ADD COLUMN max_result_bytes integer NOT NULL DEFAULT 16777216,
             ADD CONSTRAINT lane_max_result_range CHECK (max_result_bytes BETWEEN 1 AND 268435455);
         ALTER TABLE pglane.jobs ADD COLUMN enqueued_by text;
