@@ -22,7 +22,6 @@ from pglane import pgbin, schema
 from tests.conftest import ROOT, claim, take_slot
 
 
-
 def objects(conn: Any) -> dict[str, int]:
     row = conn.execute(
         "SELECT (SELECT count(*) FROM pg_namespace WHERE nspname = 'pglane') AS schemas,"
