@@ -27,6 +27,8 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
+from pglane import queries
+
 from . import procs
 from .pglane_runs import FLOOR_LANE, LANE, Pglane, lane_id, load_queued, truncate
 from .real import Put, RealSystem, measure_cost, per_job, sql_producer
@@ -55,8 +57,6 @@ CLAIM = ("UPDATE floor_jobs SET status = 'running', started_at = now()"
          " RETURNING id, payload")
 COMPLETE = "UPDATE floor_jobs SET status = 'done', finished_at = now() WHERE id = %(prev)s"
 COMPLETE_AND_CLAIM = f"WITH done AS ({COMPLETE}) {CLAIM}"
-CONTRACT_CLAIM = "SELECT * FROM pglane.claim(%s, %s)"
-CONTRACT_NEXT = "SELECT * FROM pglane.complete_and_claim(%s, %s::jsonb, %s, %s)"
 MAX_SECONDS = 300.0
 
 
@@ -116,24 +116,24 @@ def contract_preload(dsn: str, n: int) -> None:
 def contract(dsn: str, n: int) -> float:
     """Seconds to drain n preloaded jobs through pglane.claim + pglane.complete_and_claim."""
     with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
-        lid = _lane_id(conn)
-        conn.execute("SELECT pg_advisory_lock(%s, 1)", (lid,))
-        t0 = time.perf_counter()
-        row = conn.execute(CONTRACT_CLAIM, (FLOOR_LANE, "floor")).fetchone()
-        for _ in _bounded(n):
-            if row is None or row["job_id"] is None:
-                break
-            handler(row["payload"])
-            row = conn.execute(CONTRACT_NEXT, (row["attempt_id"], "null", FLOOR_LANE, "floor")).fetchone()
-        elapsed = time.perf_counter() - t0
-        conn.execute("SELECT pg_advisory_unlock(%s, 1)", (lid,))
-        return elapsed
+        return contract_drain(conn, n)
 
 
-def _lane_id(conn: psycopg.Connection[Any]) -> int:
-    row = conn.execute("SELECT id FROM pglane.lanes WHERE name = %s", (FLOOR_LANE,)).fetchone()
-    assert row is not None
-    return int(row["id"])
+def contract_drain(conn: psycopg.Connection[dict[str, Any]], n: int) -> float:
+    """contract's loop on a connection of the caller's: slot 1 of the floor lane is taken before the
+    clock starts and released after it stops."""
+    lid = lane_id(conn, FLOOR_LANE)
+    conn.execute(queries.WAIT_SLOT, (lid, 1))
+    t0 = time.perf_counter()
+    row = conn.execute(queries.CLAIM, (FLOOR_LANE, "floor")).fetchone()
+    for _ in _bounded(n):
+        if row is None or row["job_id"] is None:
+            break
+        handler(row["payload"])
+        row = conn.execute(queries.COMPLETE_AND_CLAIM, (row["attempt_id"], "null", FLOOR_LANE, "floor")).fetchone()
+    elapsed = time.perf_counter() - t0
+    conn.execute(queries.RELEASE_SLOT, (lid, 1))
+    return elapsed
 
 
 Loop = Callable[[str, int], float]
@@ -227,16 +227,15 @@ def listen_contract_main(dsn: str) -> int:
     """The floor_listen_contract consumer: hold slot 1 of the bench lane, LISTEN on the lane's channel,
     claim on every wake-up and drain, stamp each job. Ends like listen_main."""
     deadline = time.monotonic() + MAX_SECONDS
-    with psycopg.connect(dsn, autocommit=True) as plain:
-        lid = lane_id(plain, LANE)
     with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
-        conn.execute("SELECT pg_advisory_lock(%s, 1)", (lid,))
+        lid = lane_id(conn, LANE)
+        conn.execute(queries.WAIT_SLOT, (lid, 1))
         conn.execute(f"LISTEN pglane_{lid}")
         while time.monotonic() < deadline:
-            job = conn.execute(CONTRACT_CLAIM, (LANE, "listen")).fetchone()
+            job = conn.execute(queries.CLAIM, (LANE, "listen")).fetchone()
             while job is not None and job["job_id"] is not None:
                 procs.stamp(int(job["payload"].get("n", -1)))
-                job = conn.execute(CONTRACT_NEXT, (job["attempt_id"], "null", LANE, "listen")).fetchone()
+                job = conn.execute(queries.COMPLETE_AND_CLAIM, (job["attempt_id"], "null", LANE, "listen")).fetchone()
             for _ in conn.notifies(timeout=1.0, stop_after=1):
                 pass
     return 0

@@ -12,11 +12,12 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, LiteralString
 
 import psycopg
+from psycopg.rows import dict_row, tuple_row
 
-from pglane import client, schema
+from pglane import client, queries, schema
 
 from . import procs
 from .real import Put, RealSystem, sql_producer
@@ -28,13 +29,26 @@ CLAIM_LANE = "claims"
 TAKEOVER_LANE = "takeover"
 ENQ_LANES = {"enq": None, "enq_unbounded": None, "enq_bounded": 100_000_000}
 FLOOR_LANE = "floor"
-ENQUEUE = "SELECT pglane.enqueue(%s, %s::jsonb)"
+# A plain INSERT, as a producer in any language enqueues (pglane's own enqueue is queries.ENQUEUE).
+INSERT: LiteralString = "INSERT INTO pglane.jobs (lane, payload) VALUES (%s, %s::jsonb)"
 
 
 def lane_id(conn: psycopg.Connection[Any], name: str) -> int:
-    row = conn.execute("SELECT id FROM pglane.lanes WHERE name = %s", (name,)).fetchone()
+    """The lane's integer id (the first key of its slot locks), whatever the connection's row factory."""
+    with conn.cursor(row_factory=tuple_row) as cur:
+        row = cur.execute(queries.LANES, {"name": name}).fetchone()
     assert row is not None, name
     return int(row[0])
+
+
+def claim_and_complete(conn: psycopg.Connection[dict[str, Any]], lane: str) -> float:
+    """pglane.claim() on a session holding a slot of the lane, then (untimed) complete(): the claim's seconds."""
+    t0 = time.perf_counter()
+    row = conn.execute(queries.CLAIM, (lane, "bench")).fetchone()
+    elapsed = time.perf_counter() - t0
+    assert row is not None and row["job_id"] is not None, "the backlog ran dry"
+    conn.execute(queries.COMPLETE, (row["attempt_id"], "null"))
+    return elapsed
 
 
 def load_queued(conn: psycopg.Connection[Any], lane: str, count: int) -> None:
@@ -96,7 +110,7 @@ class Pglane(RealSystem):
             return time.time()
 
     def producer(self, dsn: str) -> AbstractAsyncContextManager[Put]:
-        return sql_producer(dsn, "SELECT pglane.enqueue(%s, %s::jsonb)", lambda n: (LANE, f'{{"n": {n}}}'))
+        return sql_producer(dsn, queries.ENQUEUE, lambda n: (LANE, f'{{"n": {n}}}', None, None))
 
 
 # ----- claim latency ---------------------------------------------------------------------------
@@ -105,7 +119,7 @@ def claim_latency(dsn: str, admin_dsn: str, queued: int, finished: int, claims: 
     """p50/p99 of pglane.claim() with ``queued`` jobs waiting and ``finished`` jobs of history.
     Each timed claim is followed (untimed) by complete() and the enqueue of one new job, so the
     backlog stays at ``queued``."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
         truncate(conn)
         progress(f"{label}: loading {finished} finished + {queued} queued")
         if finished:
@@ -115,17 +129,13 @@ def claim_latency(dsn: str, admin_dsn: str, queued: int, finished: int, claims: 
         if finished:
             conn.execute("VACUUM ANALYZE pglane.attempts")  # never analyze it empty: see performance.md
         quiesce(admin_dsn)
-        conn.execute("SELECT pg_advisory_lock(%s, 1)", (lane_id(conn, CLAIM_LANE),))
+        conn.execute(queries.WAIT_SLOT, (lane_id(conn, CLAIM_LANE), 1))
         progress(f"{label}: {claims} claims")
         samples: list[float] = []
         for i in range(claims + 20):  # the first 20 warm the session's plan cache, untimed
-            t0 = time.perf_counter()
-            row = conn.execute("SELECT attempt_id FROM pglane.claim(%s, 'bench')", (CLAIM_LANE,)).fetchone()
-            elapsed = time.perf_counter() - t0
-            assert row is not None, "the backlog ran dry"
+            elapsed = claim_and_complete(conn, CLAIM_LANE)
             if i >= 20:
                 samples.append(elapsed)
-            conn.execute("SELECT pglane.complete(%s, 'null')", (row[0],))
             conn.execute("INSERT INTO pglane.jobs (lane) VALUES (%s)", (CLAIM_LANE,))
         conn.execute("SELECT pg_advisory_unlock_all()")
         truncate(conn)
@@ -136,11 +146,11 @@ def claim_latency(dsn: str, admin_dsn: str, queued: int, finished: int, claims: 
 
 # ----- takeover --------------------------------------------------------------------------------
 
-def _slot_state(admin: psycopg.Connection[Any], lid: int) -> tuple[int, int]:
+def _slot_state(conn: psycopg.Connection[Any], lid: int) -> tuple[int, int]:
     """(granted, waiting) session locks on slot 1 of lane id ``lid``."""
-    row = admin.execute(
-        "SELECT count(*) FILTER (WHERE granted), count(*) FILTER (WHERE NOT granted) FROM pg_locks"
-        " WHERE locktype = 'advisory' AND classid = %s AND objid = 1 AND objsubid = 2", (lid,)).fetchone()
+    row = conn.execute(
+        "SELECT count(*) FILTER (WHERE granted), count(*) FILTER (WHERE NOT granted) FROM pglane.slot_holders"
+        " WHERE lane_id = %s AND slot = 1", (lid,)).fetchone()
     assert row is not None
     return int(row[0]), int(row[1])
 
@@ -154,19 +164,19 @@ def takeover(dsn: str, admin_dsn: str, kills: int, logs: Path) -> dict[str, Any]
     args, env = system.worker(dsn, "stamp", lane=TAKEOVER_LANE)
     env = {**env, "BENCH_STAMPS": str(stamps_file)}
     samples: list[float] = []
-    with psycopg.connect(admin_dsn, autocommit=True) as admin, psycopg.connect(dsn, autocommit=True) as conn:
+    with psycopg.connect(dsn, autocommit=True) as conn:
         lid = lane_id(conn, TAKEOVER_LANE)
         for k in range(kills):
             progress(f"takeover: kill {k + 1}/{kills}")
             quiesce(admin_dsn)
             with procs.running(args, logs / "takeover-active.log", env) as active:
-                wait_until(lambda: _slot_state(admin, lid)[0] == 1, 30, "the active worker's slot")
+                wait_until(lambda: _slot_state(conn, lid)[0] == 1, 30, "the active worker's slot")
                 with procs.running(args, logs / "takeover-standby.log", env) as standby:
-                    wait_until(lambda: _slot_state(admin, lid)[1] == 1, 30, "the standby to wait")
+                    wait_until(lambda: _slot_state(conn, lid)[1] == 1, 30, "the standby to wait")
                     first, second = 2 * k, 2 * k + 1
-                    conn.execute(ENQUEUE, (TAKEOVER_LANE, f'{{"n": {first}, "sleep": 60}}'))
+                    conn.execute(queries.ENQUEUE, (TAKEOVER_LANE, f'{{"n": {first}, "sleep": 60}}', None, None))
                     wait_until(procs.has_stamp(stamps_file, first), 30, "the active worker's call")
-                    conn.execute(ENQUEUE, (TAKEOVER_LANE, f'{{"n": {second}}}'))
+                    conn.execute(queries.ENQUEUE, (TAKEOVER_LANE, f'{{"n": {second}}}', None, None))
                     killed_at = time.time()
                     active.send_signal(signal.SIGKILL)
                     wait_until(procs.has_stamp(stamps_file, second), 30, "the standby to take over")
@@ -178,24 +188,23 @@ def takeover(dsn: str, admin_dsn: str, kills: int, logs: Path) -> dict[str, Any]
 
 # ----- enqueue throughput ----------------------------------------------------------------------
 
-def _one_by_one(query: str, lane: str) -> Callable[[psycopg.Connection[Any], int], None]:
+def _one_by_one(query: LiteralString, lane: str, *rest: None) -> Callable[[psycopg.Connection[Any], int], None]:
+    """Job n enqueued with one autocommitted ``query`` each, its parameters (lane, payload, *rest)."""
     def run(conn: psycopg.Connection[Any], n: int) -> None:
         for i in range(n):
-            conn.execute(query, (lane, f'{{"n": {i}}}'))
+            conn.execute(query, (lane, f'{{"n": {i}}}', *rest))
 
     return run
 
 
 def _batch(conn: psycopg.Connection[Any], n: int) -> None:
     with conn.transaction(), conn.cursor() as cur:
-        cur.executemany("INSERT INTO pglane.jobs (lane, payload) VALUES (%s, %s::jsonb)",
-                        [("enq", f'{{"n": {i}}}') for i in range(n)])
+        cur.executemany(INSERT, [("enq", f'{{"n": {i}}}') for i in range(n)])
 
 
-INSERT = "INSERT INTO pglane.jobs (lane, payload) VALUES (%s, %s::jsonb)"
 ENQUEUE_VARIANTS: dict[str, Callable[[psycopg.Connection[Any], int], None]] = {
     "insert": _one_by_one(INSERT, "enq"),
-    "enqueue_fn": _one_by_one(ENQUEUE, "enq"),
+    "enqueue_fn": _one_by_one(queries.ENQUEUE, "enq", None, None),  # key and run_after: none
     "batch_executemany": _batch,
     "insert_unbounded_100k": _one_by_one(INSERT, "enq_unbounded"),
     "insert_bounded_100k": _one_by_one(INSERT, "enq_bounded"),

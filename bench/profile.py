@@ -31,12 +31,15 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
+from pglane import queries
+
 from . import floors, real
 from .pglane_runs import (
     CLAIM_LANE,
     FLOOR_LANE,
     LANE,
     Pglane,
+    claim_and_complete,
     lane_id,
     load_finished,
     load_queued,
@@ -48,26 +51,26 @@ from .stats import latency_ms, progress, progress_done, rotations
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-async def _contract_async(dsn: str, n: int) -> float:
+async def _contract_async(dsn: str, lid: int, n: int) -> float:
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
-        row = await (await conn.execute("SELECT id FROM pglane.lanes WHERE name = %s", (FLOOR_LANE,))).fetchone()
-        assert row is not None
-        await conn.execute("SELECT pg_advisory_lock(%s, 1)", (row["id"],))
+        await conn.execute(queries.WAIT_SLOT, (lid, 1))
         t0 = time.perf_counter()
-        job = await (await conn.execute(floors.CONTRACT_CLAIM, (FLOOR_LANE, "floor"))).fetchone()
+        job = await (await conn.execute(queries.CLAIM, (FLOOR_LANE, "floor"))).fetchone()
         for _ in range(n + 2):
             if job is None or job["job_id"] is None:
                 break
-            job = await (await conn.execute(floors.CONTRACT_NEXT, (job["attempt_id"], "null", FLOOR_LANE,
-                                                                  "floor"))).fetchone()
+            job = await (await conn.execute(queries.COMPLETE_AND_CLAIM, (job["attempt_id"], "null", FLOOR_LANE,
+                                                                        "floor"))).fetchone()
         elapsed = time.perf_counter() - t0
-        await conn.execute("SELECT pg_advisory_unlock_all()")
+        await conn.execute(queries.RELEASE_SLOT, (lid, 1))
         return elapsed
 
 
 def contract_async(dsn: str, n: int) -> float:
     floors.contract_preload(dsn, n)
-    return n / asyncio.run(_contract_async(dsn, n))
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        lid = lane_id(conn, FLOOR_LANE)
+    return n / asyncio.run(_contract_async(dsn, lid, n))
 
 
 class Experiment(Pglane):
@@ -79,12 +82,6 @@ class Experiment(Pglane):
     def worker(self, dsn: str, handler: str, lane: str = LANE) -> tuple[list[str], dict[str, str]]:
         args, env = super().worker(dsn, handler, lane)
         return args, {**env, "BENCH_EXPERIMENT": self.experiment}
-
-
-def lane_id_dict(conn: psycopg.Connection[Any], name: str) -> int:
-    row = conn.execute("SELECT id FROM pglane.lanes WHERE name = %s", (name,)).fetchone()
-    assert row is not None
-    return int(row["id"])
 
 
 def _profile_summary(path: Path, jobs: int) -> list[str]:
@@ -129,14 +126,7 @@ def _server_breakdown(server_dsn: str, admin_dsn: str, jobs: int) -> list[str]:
     floors.contract_preload(server_dsn, jobs)
     with psycopg.connect(server_dsn, autocommit=True, row_factory=dict_row) as conn:
         conn.execute("SET pg_stat_statements.track = 'all'")
-        lid = lane_id_dict(conn, FLOOR_LANE)
-        conn.execute("SELECT pg_advisory_lock(%s, 1)", (lid,))
-        job = conn.execute(floors.CONTRACT_CLAIM, (FLOOR_LANE, "floor")).fetchone()
-        for _ in range(jobs + 2):
-            if job is None or job["job_id"] is None:
-                break
-            job = conn.execute(floors.CONTRACT_NEXT, (job["attempt_id"], "null", FLOOR_LANE, "floor")).fetchone()
-        conn.execute("SELECT pg_advisory_unlock_all()")
+        floors.contract_drain(conn, jobs)
     with psycopg.connect(admin_dsn, autocommit=True) as admin:
         rows = admin.execute(
             "SELECT calls, total_exec_time, toplevel, wal_bytes, regexp_replace(query, '\\s+', ' ', 'g')"
@@ -182,24 +172,22 @@ def _collect(into: list[str]) -> Any:
 def _claim_plans(dsn: str) -> list[str]:
     lines = []
     for queued, finished in ((1_000, 0), (1_000, 100_000)):
-        with psycopg.connect(dsn, autocommit=True) as conn:
+        with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
             truncate(conn)
             if finished:
                 load_finished(conn, CLAIM_LANE, finished)
             load_queued(conn, CLAIM_LANE, queued)
             conn.execute("VACUUM ANALYZE pglane.jobs")
-            conn.execute("SELECT pg_advisory_lock(%s, 1)", (lane_id(conn, CLAIM_LANE),))
+            conn.execute(queries.WAIT_SLOT, (lane_id(conn, CLAIM_LANE), 1))
             for _ in range(8):  # past plpgsql's custom-plan phase
-                row = conn.execute("SELECT attempt_id FROM pglane.claim(%s, 'bench')", (CLAIM_LANE,)).fetchone()
-                assert row is not None
-                conn.execute("SELECT pglane.complete(%s, 'null')", (row[0],))
+                claim_and_complete(conn, CLAIM_LANE)
             notices: list[str] = []
             conn.add_notice_handler(_collect(notices))
             conn.execute("LOAD 'auto_explain'")
             conn.execute("SET auto_explain.log_min_duration = 0")
             conn.execute("SET auto_explain.log_nested_statements = on")
             conn.execute("SET client_min_messages = log")
-            conn.execute("SELECT attempt_id FROM pglane.claim(%s, 'bench')", (CLAIM_LANE,)).fetchone()
+            conn.execute(queries.CLAIM, (CLAIM_LANE, "bench")).fetchone()
             conn.execute("RESET client_min_messages")
             plan = next((n for n in notices if "FROM pglane.jobs j" in n and "SKIP LOCKED" in n), "(no plan seen)")
             body = plan.split("\n", 1)[-1] if "Query Text" in plan else plan
@@ -227,7 +215,7 @@ def _cold_claims(server: Any, count: int) -> list[str]:
           psycopg.connect(floor_dsn, autocommit=True) as floor,
           psycopg.connect(pg_dsn, autocommit=True) as pg_other,
           psycopg.connect(floor_dsn, autocommit=True) as floor_other):
-        claimer.execute("SELECT pg_advisory_lock(%s, 1)", (lane_id_dict(claimer, LANE),))
+        claimer.execute(queries.WAIT_SLOT, (lane_id(claimer, LANE), 1))
         for c in (claimer, floor):
             c.execute("SET pg_stat_statements.track = 'all'")
         admin.execute("SELECT pg_stat_statements_reset()")
@@ -237,14 +225,14 @@ def _cold_claims(server: Any, count: int) -> list[str]:
             floor_other.execute("INSERT INTO floor_jobs DEFAULT VALUES")
             time.sleep(COLD_GAP_S)
             started = time.perf_counter()
-            job = claimer.execute(floors.CONTRACT_CLAIM, (LANE, "cold")).fetchone()
+            job = claimer.execute(queries.CLAIM, (LANE, "cold")).fetchone()
             times["pglane.claim()"].append(time.perf_counter() - started)
             time.sleep(COLD_GAP_S)
             started = time.perf_counter()
             row = floor.execute(floors.COMPLETE_AND_CLAIM, {"prev": None}).fetchone()
             times["floor_listen's statement"].append(time.perf_counter() - started)
             assert job is not None and row is not None
-            pg_other.execute("SELECT pglane.complete(%s)", (job["attempt_id"],))
+            pg_other.execute(queries.COMPLETE, (job["attempt_id"], None))
             floor_other.execute(floors.COMPLETE, {"prev": row[0]})
         rows = admin.execute(
             "SELECT mean_exec_time, toplevel, regexp_replace(query, '\\s+', ' ', 'g') FROM pg_stat_statements"

@@ -11,9 +11,10 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,8 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from pytest_postgresql import factories
 
 import pglane
-from pglane import pgbin, schema
+from pglane import pgbin, queries, schema
+from tests.handlers import LEDGER_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 # The worker subprocesses import the tests' handlers from here.
@@ -159,7 +161,7 @@ class Workers:
         log = open(self.tmp_path / f"worker-{len(self.procs)}.log", "wb")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(
             [sys.executable, "-m", "pglane", "worker", lane, "--handler", handler, *args],
-            env={**os.environ, "PGLANE_DSN": self.dsn, "PGLANE_TEST_LEDGER": str(self.ledger.path), **(env or {})},
+            env={**os.environ, "PGLANE_DSN": self.dsn, LEDGER_ENV: str(self.ledger.path), **(env or {})},
             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
         )
         proc.log_path = log.name  # type: ignore[attr-defined]
@@ -194,32 +196,64 @@ def workers(dsn: str, ledger: Ledger, tmp_path: Path) -> Iterator[Workers]:
     w.stop_all()
 
 
+def lane_id(conn: psycopg.Connection[dict[str, Any]], name: str) -> int:
+    """The lane's integer id: the first key of its slot locks and the suffix of its NOTIFY channel."""
+    row = conn.execute(queries.LANES, {"name": name}).fetchone()
+    assert row is not None, f"no lane {name}"
+    return int(row["id"])
+
+
+def take_slot(conn: psycopg.Connection[dict[str, Any]], lane: str, slot: int = 1) -> None:
+    """Take a slot as a worker in any language does: the session lock, then the pglane.slot setting that
+    lets the claim check this slot first (without it, a claim on slot 2 briefly pins a free slot 1)."""
+    row = conn.execute(queries.TRY_SLOT, (lane_id(conn, lane), slot)).fetchone()
+    assert row is not None and row["pg_try_advisory_lock"], f"slot {slot} of lane {lane} is taken"
+    conn.execute(queries.SLOT_HINT, (str(slot),))
+
+
+def claim(conn: psycopg.Connection[dict[str, Any]], lane: str = "brain") -> dict[str, Any] | None:
+    """pglane.claim() as worker 'test', pglane's errors translated: the claimed row, or None."""
+    with pglane.client.translated():
+        row: dict[str, Any] | None = conn.execute(queries.CLAIM, (lane, "test")).fetchone()
+    return row
+
+
+def claimed(conn: psycopg.Connection[dict[str, Any]], lane: str = "brain") -> dict[str, Any]:
+    """claim() where a job must be there to claim: the test fails if none is."""
+    row = claim(conn, lane)
+    assert row is not None, f"nothing to claim in lane {lane}"
+    return row
+
+
 def slot_holder(conn: psycopg.Connection[dict[str, Any]], lane: str) -> list[int]:
     """The pids of the sessions holding a slot of the lane right now."""
-    rows = conn.execute(
-        "SELECT k.pid FROM pg_locks k JOIN pglane.lanes l ON k.classid = l.id::oid"
-        " WHERE l.name = %s AND k.locktype = 'advisory' AND k.objsubid = 2 AND k.granted"
-        " AND k.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-        (lane,),
-    ).fetchall()
+    rows = conn.execute("SELECT pid FROM pglane.slot_holders WHERE lane = %s AND granted", (lane,)).fetchall()
     return [r["pid"] for r in rows]
 
 
 def wait_session_gone(conn: psycopg.Connection[dict[str, Any]], pid: int) -> None:
     """Wait until backend ``pid`` has exited: the evidence recovery needs that its session is gone."""
-    wait_until(lambda: not conn.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone(),
-               10, f"session {pid} to end")
+    def gone() -> bool:
+        row = conn.execute(queries.LIVE_SESSIONS, ([pid],)).fetchone()
+        return row is not None and row["n"] == 0
+
+    wait_until(gone, 10, f"session {pid} to end")
 
 
 def terminate(conn: psycopg.Connection[dict[str, Any]], pid: int) -> None:
     """End another session from the server side (what keepalives do to a silent peer, sooner)."""
-    row = conn.execute("SELECT pg_terminate_backend(%s) AS ok", (pid,)).fetchone()
-    assert row is not None and row["ok"]
+    row = conn.execute(queries.TERMINATE, (pid,)).fetchone()
+    assert row is not None and row["pg_terminate_backend"]
     wait_session_gone(conn, pid)
 
 
-def worker_backend_pids(conn: psycopg.Connection[dict[str, Any]], lane: str) -> list[int]:
-    return slot_holder(conn, lane)
+def concurrently(targets: Iterable[Callable[[], object]]) -> None:
+    """Run each target in a thread of its own, all at once, and wait for every one."""
+    threads = [threading.Thread(target=target) for target in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 def metrics_port(proc: subprocess.Popen[bytes]) -> int:

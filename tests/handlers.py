@@ -15,9 +15,11 @@ from typing import Any
 
 from pglane import Job
 
+LEDGER_ENV = "PGLANE_TEST_LEDGER"  # the ledger file's path, set by tests.conftest.Workers
+
 
 def _record(event: str, job: Job) -> None:
-    path = os.environ["PGLANE_TEST_LEDGER"]
+    path = os.environ[LEDGER_ENV]
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, f"{event} {job.id} {job.attempt_id} {time.monotonic_ns()}\n".encode())

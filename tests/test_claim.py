@@ -10,32 +10,16 @@ import psycopg
 import pytest
 
 import pglane
-from tests.conftest import wait_until
-
-CLAIM = "SELECT * FROM pglane.claim(%s, 'test')"
-
-
-def lane_id(conn: Any, name: str) -> int:
-    return int(conn.execute("SELECT id FROM pglane.lanes WHERE name = %s", (name,)).fetchone()["id"])
-
-
-def take_slot(conn: Any, lane: str, slot: int = 1) -> None:
-    """Take a slot as a worker in any language does: the session lock, then the pglane.slot setting that
-    lets the claim check this slot first (without it, a claim on slot 2 briefly pins a free slot 1)."""
-    assert conn.execute("SELECT pg_try_advisory_lock(%s, %s) AS ok", (lane_id(conn, lane), slot)).fetchone()["ok"]
-    conn.execute("SELECT set_config('pglane.slot', %s, false)", (str(slot),))
+from pglane import queries
+from tests.conftest import claim as claim  # re-exported: tests.test_schema and tests.test_worker import it from here
+from tests.conftest import lane_id, wait_until
+from tests.conftest import take_slot as take_slot  # re-exported likewise
 
 
 def waiting_on_lock(conn: Any, pid: int) -> None:
     """Return once backend ``pid`` is blocked on a heavyweight lock (row, advisory, ...)."""
     wait_until(lambda: conn.execute("SELECT wait_event_type = 'Lock' AS waiting FROM pg_stat_activity"
                                     " WHERE pid = %s", (pid,)).fetchone()["waiting"], what=f"backend {pid} to wait")
-
-
-def claim(conn: Any, lane: str = "brain") -> dict[str, Any] | None:
-    with pglane.client.translated():
-        row: dict[str, Any] | None = conn.execute(CLAIM, (lane,)).fetchone()
-    return row
 
 
 def test_claims_follow_the_order_jobs_were_queued(conn: Any, lane: str) -> None:
@@ -100,7 +84,7 @@ def test_a_claim_check_never_lets_a_waiting_standby_in(session: Any, lane: str) 
     standby_pid = standby.info.backend_pid
 
     def wait_for_slot() -> None:
-        standby.execute("SELECT pg_advisory_lock(%s, 1)", (lid,))
+        standby.execute(queries.WAIT_SLOT, (lid, 1))
         got.set()
 
     thread = threading.Thread(target=wait_for_slot)
@@ -112,7 +96,7 @@ def test_a_claim_check_never_lets_a_waiting_standby_in(session: Any, lane: str) 
             assert row is not None
             assert not got.is_set()
     finally:
-        holder.execute("SELECT pg_advisory_unlock(%s, 1)", (lid,))
+        holder.execute(queries.RELEASE_SLOT, (lid, 1))
         thread.join(10)
     assert got.is_set()
 
@@ -152,15 +136,15 @@ def test_a_worker_on_a_higher_slot_claims_without_touching_the_free_lower_ones(
     worker = LockSession.connect(dsn, lid, 2, "t")
     try:
         assert worker.try_take() and worker.slot == 2
-        first.execute("SELECT pg_advisory_unlock(%s, 1)", (lid,))  # slot 1 is free again
+        first.execute(queries.RELEASE_SLOT, (lid, 1))  # slot 1 is free again
         pglane.enqueue(conn, "wide", {})
         notices: list[str] = []
         worker.conn.add_notice_handler(lambda diag: notices.append(str(diag.message_primary)))
         worker.conn.execute("BEGIN")
-        row = worker.conn.execute("SELECT * FROM pglane.claim('wide', 'w')").fetchone()
+        row = worker.conn.execute(queries.CLAIM, ("wide", "w")).fetchone()
         # the claim's transaction is still open: a starting worker can take the free slot 1 now
         newcomer = session()
-        assert newcomer.execute("SELECT pg_try_advisory_lock(%s, 1) AS got", (lid,)).fetchone()["got"]
+        assert newcomer.execute(queries.TRY_SLOT, (lid, 1)).fetchone()["pg_try_advisory_lock"]
         worker.conn.execute("COMMIT")
         assert row is not None and row["job_id"] is not None
         assert notices == []
@@ -239,7 +223,7 @@ def test_recovery_marks_lost_an_attempt_whose_session_let_go_of_its_slot(session
     take_slot(holder, lane)
     assert claim(holder, lane) is not None
     assert pglane.recover(conn, lane) == 0  # connected and holding the slot: alive
-    holder.execute("SELECT pg_advisory_unlock(%s, 1)", (lane_id(conn, lane),))
+    holder.execute(queries.RELEASE_SLOT, (lane_id(conn, lane), 1))
     assert pglane.recover(conn, lane) == 1  # still connected, but no longer the lane's consumer
     assert [a["status"] for a in pglane.attempts(conn, job)] == ["lost"]
     assert pglane.job_status(conn, job)["status"] == "failed"

@@ -19,15 +19,9 @@ import pytest
 from pglane import pgbin
 from pglane.embedded import EmbeddedServer, embedded_postgres, embedded_server
 from pglane.errors import EmbeddedServerError
+from tests.conftest import ROOT  # whose import also puts ROOT on the subprocesses' PYTHONPATH
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 root_only = pytest.mark.skipif(not pgbin.is_root(), reason="only meaningful when running as root")
-
-
-def _subprocess_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return env
 
 
 def _gone(pid: int, wait: float = 5.0) -> bool:
@@ -147,7 +141,7 @@ def test_sigterm_inside_the_context_stops_the_server_and_removes_the_temp_dir() 
         "    time.sleep(60)\n"
     )
     proc = subprocess.Popen(
-        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=REPO, env=_subprocess_env()
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT
     )
     try:
         assert proc.stdout is not None
@@ -190,8 +184,7 @@ def test_userns_module_runs_the_program_as_nobody() -> None:
         [sys.executable, "-m", "pglane.userns", "/usr/bin/id", "-u"],
         capture_output=True,
         text=True,
-        cwd=REPO,
-        env=_subprocess_env(),
+        cwd=ROOT,
         check=True,
         timeout=30,
     ).stdout
@@ -200,14 +193,12 @@ def test_userns_module_runs_the_program_as_nobody() -> None:
 
 @root_only
 def test_pg_ctl_wrapper_lets_root_query_the_server(server: EmbeddedServer) -> None:
-    env = _subprocess_env()
-    env["PGLANE_PYTHON"] = sys.executable
-    env["PGLANE_REAL_PG_CTL"] = str(pgbin.find_bindir() / "pg_ctl")
+    env = {**os.environ, "PGLANE_PYTHON": sys.executable, "PGLANE_REAL_PG_CTL": str(pgbin.find_bindir() / "pg_ctl")}
     result = subprocess.run(
-        [str(REPO / "tests" / "pg_ctl_as_root.sh"), "status", "-D", str(server.data_dir)],
+        [str(ROOT / "tests" / "pg_ctl_as_root.sh"), "status", "-D", str(server.data_dir)],
         capture_output=True,
         text=True,
-        cwd=REPO,
+        cwd=ROOT,
         env=env,
         timeout=30,
     )
@@ -233,8 +224,7 @@ def test_as_root_without_user_namespaces_the_error_says_what_to_do() -> None:
         ["unshare", "-r", "sh", "-c", shell, sys.executable, script],
         capture_output=True,
         text=True,
-        cwd=REPO,
-        env=_subprocess_env(),
+        cwd=ROOT,
         timeout=30,
     )
     if result.returncode != 0 and "max_user_namespaces" in result.stderr:

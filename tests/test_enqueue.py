@@ -10,6 +10,7 @@ import psycopg
 import pytest
 
 import pglane
+from tests.conftest import concurrently, lane_id
 
 
 def count_jobs(conn: Any) -> int:
@@ -68,11 +69,7 @@ def test_the_same_key_sent_concurrently_by_many_clients_makes_one_job(dsn: str, 
             barrier.wait()
             ids.append(pglane.enqueue(c, lane, {"q": "same"}, key="burst"))
 
-    threads = [threading.Thread(target=client) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    concurrently([client] * 8)
     assert len(ids) == 8 and len(set(ids)) == 1
     assert count_jobs(conn) == 1
 
@@ -125,8 +122,8 @@ def test_bad_json_text_is_refused_by_postgres_before_anything_is_written(conn: A
 
 def test_a_committed_insert_notifies_the_lane_once_per_transaction(dsn: str, session: Any, lane: str) -> None:
     listener = session()
-    lane_id = listener.execute("SELECT id FROM pglane.lanes WHERE name = 'brain'").fetchone()["id"]
-    listener.execute(f"LISTEN pglane_{int(lane_id)}")
+    lid = lane_id(listener, lane)
+    listener.execute(f"LISTEN pglane_{lid}")
     producer = session(autocommit=False)
     with producer.transaction():
         producer.execute("INSERT INTO pglane.jobs (lane, payload) SELECT 'brain', '{}' FROM generate_series(1, 1000)")
@@ -134,14 +131,14 @@ def test_a_committed_insert_notifies_the_lane_once_per_transaction(dsn: str, ses
             pglane.enqueue(producer, lane, {"n": n})
         assert count_jobs(listener) == 0  # nothing is visible, to a worker either, before the commit
     notes = list(listener.notifies(timeout=1.0))
-    assert [(n.channel, n.payload) for n in notes] == [(f"pglane_{lane_id}", "")]
+    assert [(n.channel, n.payload) for n in notes] == [(f"pglane_{lid}", "")]
     assert count_jobs(listener) == 1005
 
 
 def test_a_rolled_back_enqueue_leaves_no_row_and_wakes_nobody(session: Any, lane: str) -> None:
     listener = session()
-    lane_id = listener.execute("SELECT id FROM pglane.lanes WHERE name = 'brain'").fetchone()["id"]
-    listener.execute(f"LISTEN pglane_{int(lane_id)}")
+    lid = lane_id(listener, lane)
+    listener.execute(f"LISTEN pglane_{lid}")
     producer = session(autocommit=False)
     producer.execute("SELECT pglane.enqueue('brain', '{}')")
     producer.rollback()

@@ -3,6 +3,7 @@ from the database clock; bounded lanes; retry and cancel only where allowed; pru
 
 from __future__ import annotations
 
+import functools
 import threading
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -11,7 +12,18 @@ import psycopg
 import pytest
 
 import pglane
-from tests.conftest import Workers, metrics_port, scrape, wait_session_gone, wait_until
+from pglane import queries
+from tests.conftest import (
+    Workers,
+    claim,
+    claimed,
+    concurrently,
+    metrics_port,
+    scrape,
+    take_slot,
+    wait_session_gone,
+    wait_until,
+)
 
 
 def action(conn: Any, job: int) -> str:
@@ -23,14 +35,10 @@ def lane_row(conn: Any, lane: str) -> dict[str, Any]:
 
 
 def hold_slot(session: Any, lane: str, slot: int = 1) -> Any:
+    """A new session holding a slot of the lane, as a worker's would."""
     s = session()
-    s.execute("SELECT pg_advisory_lock(id, %s) FROM pglane.lanes WHERE name = %s", (slot, lane))
+    take_slot(s, lane, slot)
     return s
-
-
-def claim(s: Any, lane: str) -> dict[str, Any]:
-    row: dict[str, Any] = s.execute("SELECT * FROM pglane.claim(%s, 'w')", (lane,)).fetchone()
-    return row
 
 
 def age(conn: Any, job: int, seconds: float) -> None:
@@ -72,7 +80,7 @@ def test_every_job_state_has_its_next_safe_action(session: Any, conn: Any, lane:
     assert action(conn, later).startswith("nothing to do: scheduled to run after")
 
     holder = hold_slot(session, lane)
-    running = claim(holder, lane)
+    running = claimed(holder, lane)
     assert running["job_id"] == fresh
     assert action(conn, fresh) == "nothing to do: running"
     waiting = pglane.enqueue(conn, lane, {})
@@ -92,18 +100,18 @@ def test_every_job_state_has_its_next_safe_action(session: Any, conn: Any, lane:
                                    f"retry only if you accept paying again: pglane retry {fresh}")
 
     holder = hold_slot(session, lane)
-    timed = claim(holder, lane)
+    timed = claimed(holder, lane)
     holder.execute("SELECT pglane.fail(%s, 'timed out', true)", (timed["attempt_id"],))
     assert "ran past the lane's job_timeout" in action(conn, timed["job_id"])
     pglane.enqueue(conn, lane, {})
-    failing = claim(holder, lane)
+    failing = claimed(holder, lane)
     assert failing is not None
     pglane.cancel(conn, later)
     assert action(conn, later) == f"nothing to do: cancelled (pglane retry {later} runs it after all)"
     holder.execute("SELECT pglane.fail(%s, 'boom')", (failing["attempt_id"],))
     assert action(conn, failing["job_id"]).startswith(f"inspect attempt {failing['attempt_id']}: the handler failed")
     done = pglane.enqueue(conn, lane, {})
-    finished = claim(holder, lane)
+    finished = claimed(holder, lane)
     assert finished["job_id"] == done
     holder.execute("SELECT pglane.complete(%s, '{}')", (finished["attempt_id"],))
     assert action(conn, done) == "nothing to do: done, result stored"
@@ -116,7 +124,7 @@ def test_every_lane_state_has_its_next_safe_action(session: Any, conn: Any, lane
     holder = hold_slot(session, lane)
     row = lane_row(conn, lane)
     assert (row["consumers"], row["next_safe_action"]) == (1, "nothing to do")
-    attempt = claim(holder, lane)["attempt_id"]
+    attempt = claimed(holder, lane)["attempt_id"]
     conn.execute("UPDATE pglane.attempts SET lease_expires_at = now() - interval '1 s' WHERE id = %s", (attempt,))
     assert lane_row(conn, lane)["next_safe_action"].startswith("inspect 1 stuck attempt(s)")
     holder.close()
@@ -140,10 +148,10 @@ def test_lane_status_counts_each_status_of_its_own_lane_only(session: Any, conn:
     # A different number of jobs in each status, so that no two counts can be swapped unseen.
     want = {"done": 3, "failed": 2, "running": 1, "cancelled": 4, "queued": 5}
     for _ in range(want["done"]):
-        assert holder.execute("SELECT pglane.complete(%s, '1')", (claim(holder, lane)["attempt_id"],)).fetchone()
+        assert holder.execute("SELECT pglane.complete(%s, '1')", (claimed(holder, lane)["attempt_id"],)).fetchone()
     for _ in range(want["failed"]):
-        assert holder.execute("SELECT pglane.fail(%s, 'boom')", (claim(holder, lane)["attempt_id"],)).fetchone()
-    claim(holder, lane)
+        assert holder.execute("SELECT pglane.fail(%s, 'boom')", (claimed(holder, lane)["attempt_id"],)).fetchone()
+    claimed(holder, lane)
     for job in jobs[-want["cancelled"]:]:
         assert pglane.cancel(conn, job)
     states = [pglane.job_status(conn, j)["status"] for j in jobs]
@@ -162,18 +170,14 @@ def test_queue_positions_count_from_one_in_service_order_under_concurrent_produc
             for _ in range(25):
                 pglane.enqueue(c, lane, {})
 
-    threads = [threading.Thread(target=produce) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    concurrently([produce] * 4)
     rows = conn.execute("SELECT job_id, queue_position FROM pglane.job_status ORDER BY queue_position").fetchall()
     assert [r["queue_position"] for r in rows] == list(range(1, 101))
     service = [r["id"] for r in conn.execute(
         "SELECT id FROM pglane.jobs WHERE status = 'queued' ORDER BY created_at, id")]
     assert [r["job_id"] for r in rows] == service
-    conn.execute("SELECT pg_advisory_lock(id, 1) FROM pglane.lanes")
-    first = claim(conn, lane)
+    take_slot(conn, lane)
+    first = claimed(conn, lane)
     assert first["job_id"] == service[0]
     assert pglane.job_status(conn, service[1])["queue_position"] == 1
 
@@ -186,7 +190,7 @@ def test_the_jobs_listing_shows_queued_jobs_in_the_order_they_will_be_served(ses
     holder = hold_slot(session, lane)
     started = pglane.enqueue(conn, lane, {})
     age(conn, started, 30)  # the oldest: claimed first, so it is running, not queued
-    assert claim(holder, lane)["job_id"] == started
+    assert claimed(holder, lane)["job_id"] == started
     listed = pglane.jobs(conn, lane=lane, status="queued")
     assert [r["job_id"] for r in listed] == [*pair, later]
     assert [r["queue_position"] for r in listed] == [1, 2, 3]
@@ -219,11 +223,7 @@ def test_a_bounded_lane_never_holds_more_than_max_queued_under_concurrent_produc
                     with lock:
                         refused.append(1)
 
-    threads = [threading.Thread(target=produce, args=(n,)) for n in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    concurrently([functools.partial(produce, n) for n in range(8)])
     queued = conn.execute("SELECT count(*) AS n FROM pglane.jobs WHERE status = 'queued'").fetchone()["n"]
     assert (len(accepted), len(refused), queued) == (50, 110, 50)
     row = lane_row(conn, "bounded")
@@ -254,7 +254,7 @@ def test_max_queued_holds_for_jobs_coming_back_to_the_queue(session: Any, conn: 
     pglane.create_lane(conn, lane, job_timeout=20, max_attempts=3, max_queued=2, retry_backoff=0)
     holder = hold_slot(session, lane)
     first = pglane.enqueue(conn, lane, {})
-    attempt = claim(holder, lane)["attempt_id"]
+    attempt = claimed(holder, lane)["attempt_id"]
     waiting = [pglane.enqueue(conn, lane, {}) for _ in range(2)]  # the lane is full again
     assert depth(conn, lane) == (2, 2)
 
@@ -273,7 +273,7 @@ def test_max_queued_holds_for_jobs_coming_back_to_the_queue(session: Any, conn: 
     assert depth(conn, lane) == (2, 2)
 
     # A lost worker on an at-least-once lane that is full: failed with the reason, the bound holds.
-    lost = claim(holder, lane)
+    lost = claimed(holder, lane)
     pglane.enqueue(conn, lane, {})
     pid = holder.info.backend_pid
     holder.close()  # the backend exits a moment later: recovery needs the evidence that it is gone
@@ -297,7 +297,7 @@ def test_an_unbounded_lane_still_requeues_a_failed_attempt(session: Any, conn: A
     pglane.create_lane(conn, "open", job_timeout=20, max_attempts=2, retry_backoff=0)
     holder = hold_slot(session, "open")
     job = pglane.enqueue(conn, "open", {})
-    holder.execute("SELECT pglane.fail(%s, 'boom')", (claim(holder, "open")["attempt_id"],))
+    holder.execute("SELECT pglane.fail(%s, 'boom')", (claimed(holder, "open")["attempt_id"],))
     row = pglane.job_status(conn, job)
     assert (row["status"], row["last_error"]) == ("queued", "boom")
 
@@ -313,7 +313,7 @@ def test_retry_and_cancel_only_where_they_are_allowed(
     job = pglane.enqueue(conn, lane, {})
     if status != "queued":
         holder = hold_slot(session, lane)
-        attempt = claim(holder, lane)["attempt_id"]
+        attempt = claimed(holder, lane)["attempt_id"]
         if status == "done":
             holder.execute("SELECT pglane.complete(%s, '{}')", (attempt,))
         elif status == "failed":
@@ -338,7 +338,7 @@ def test_retry_and_cancel_only_where_they_are_allowed(
 def test_retrying_a_done_job_says_why_not(session: Any, conn: Any, lane: str) -> None:
     job = pglane.enqueue(conn, lane, {})
     holder = hold_slot(session, lane)
-    holder.execute("SELECT pglane.complete(%s, '{}')", (claim(holder, lane)["attempt_id"],))
+    holder.execute("SELECT pglane.complete(%s, '{}')", (claimed(holder, lane)["attempt_id"],))
     with pytest.raises(pglane.InvalidTransition, match="its result is stored; enqueue a new job with a new key"):
         pglane.retry(conn, job)
 
@@ -346,10 +346,10 @@ def test_retrying_a_done_job_says_why_not(session: Any, conn: Any, lane: str) ->
 def test_prune_removes_old_finished_jobs_but_keeps_failures_unless_asked(session: Any, conn: Any, lane: str) -> None:
     holder = hold_slot(session, lane)
     done, failed, cancelled, recent = (pglane.enqueue(conn, lane, {}, key=k) for k in "abcd")
-    holder.execute("SELECT pglane.complete(%s, '{}')", (claim(holder, lane)["attempt_id"],))
-    holder.execute("SELECT pglane.fail(%s, 'boom')", (claim(holder, lane)["attempt_id"],))
+    holder.execute("SELECT pglane.complete(%s, '{}')", (claimed(holder, lane)["attempt_id"],))
+    holder.execute("SELECT pglane.fail(%s, 'boom')", (claimed(holder, lane)["attempt_id"],))
     pglane.cancel(conn, cancelled)
-    holder.execute("SELECT pglane.complete(%s, '{}')", (claim(holder, lane)["attempt_id"],))
+    holder.execute("SELECT pglane.complete(%s, '{}')", (claimed(holder, lane)["attempt_id"],))
     conn.execute("UPDATE pglane.jobs SET finished_at = now() - interval '8 days' WHERE id <> %s", (recent,))
     assert pglane.prune(conn, 7 * 86400) == 2
     left = {r["id"] for r in conn.execute("SELECT id FROM pglane.jobs")}
@@ -360,9 +360,6 @@ def test_prune_removes_old_finished_jobs_but_keeps_failures_unless_asked(session
 
 
 def test_the_queue_gauges_count_this_lanes_queued_and_running_jobs_only(conn: Any, lane: str) -> None:
-    from pglane.metrics import QUEUE
-    from tests.test_claim import claim, take_slot
-
     pglane.create_lane(conn, "other", job_timeout=20)
     for name in (lane, "other"):
         for _ in range(3):
@@ -371,7 +368,7 @@ def test_the_queue_gauges_count_this_lanes_queued_and_running_jobs_only(conn: An
         assert claim(conn, name) is not None
     done = claim(conn, lane)
     assert done is not None and conn.execute("SELECT pglane.complete(%s)", (done["attempt_id"],)).fetchone()
-    row = conn.execute(QUEUE, {"lane": lane}).fetchone()
+    row = conn.execute(queries.QUEUE_GAUGES, {"lane": lane}).fetchone()
     # brain: 3 enqueued, 2 claimed, the second completed; other: 2 queued, 1 running (not counted here)
     assert (row["queued"], row["running"]) == (1, 1)
     assert row["oldest"] >= 0

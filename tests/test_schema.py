@@ -4,6 +4,7 @@ inside the pglane schema, and a wheel that carries migrations and SQL to `pglane
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -18,9 +19,7 @@ from psycopg.conninfo import make_conninfo
 
 import pglane
 from pglane import pgbin, schema
-from tests.test_claim import claim, take_slot
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import ROOT, claim, take_slot
 
 
 def objects(conn: Any) -> dict[str, int]:
@@ -227,9 +226,11 @@ def test_recovery_finds_running_attempts_through_an_index_whatever_the_history(c
 def test_the_built_wheel_ships_migrations_and_sql_and_migrates_from_a_fresh_venv(
     dsn: str, tmp_path: Path
 ) -> None:
-    wheels = tmp_path / "wheels"
+    wheels, source = tmp_path / "wheels", tmp_path / "source"
+    # Built from a copy: setuptools' build/ folder in the checkout may hold files git no longer has.
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(wheels), str(ROOT)], check=True, cwd=tmp_path)
+                    str(wheels), str(source)], check=True, cwd=tmp_path)
     wheel = next(wheels.glob("pglane-*.whl"))
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=False)

@@ -25,8 +25,8 @@ Invariants kept here, next to the state they protect:
 - jobs.in_queue is generated from status: no writer can make it disagree, and the queue index keyed
   on it lets a completion (running -> done) be a HOT update;
 - nobody but the owner may UPDATE or DELETE jobs and attempts; EXECUTE on pglane's functions is
-  revoked from PUBLIC (by apply_sql, after every revision's functions); every function a role may call that writes is SECURITY DEFINER with a fixed
-  search_path (see sql/).
+  revoked from PUBLIC (by apply_sql, after every revision's functions); every function a role may
+  call that writes is SECURITY DEFINER with a fixed search_path (see sql/).
 
 Roles are cluster-wide while pglane's schema is per database: they are created only when missing (a
 concurrent migration of another database that creates them first is not an error), and a downgrade

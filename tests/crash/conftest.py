@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import pglane
 from tests.conftest import Ledger, wait_until
 
 
@@ -22,7 +23,7 @@ def drained(conn: Any, lane: str, jobs: list[int], timeout: float = 60) -> None:
 def check_invariants(conn: Any, lane: str, jobs: list[int], ledger: Ledger, *, at_most_once: bool = True) -> None:
     """After a crash and a recovery: no job lost, no call made twice (on at-most-once lanes), no
     attempt left running, every failed job explained by its attempts, the lane's seq gapless."""
-    conn.execute("SELECT pglane.recover(%s)", (lane,))
+    pglane.recover(conn, lane)
     rows = conn.execute("SELECT id, status, last_error, attempts FROM pglane.jobs WHERE lane = %s", (lane,)).fetchall()
     by_id = {r["id"]: r for r in rows}
     assert set(jobs) <= set(by_id), f"lost jobs: {sorted(set(jobs) - set(by_id))}"

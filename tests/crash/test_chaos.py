@@ -17,7 +17,7 @@ import pytest
 import pglane
 from pglane import schema
 from pglane.embedded import EmbeddedServer, embedded_server
-from tests.conftest import Ledger, Workers, slot_holder, wait_until
+from tests.conftest import Ledger, Workers, concurrently, slot_holder, wait_until
 from tests.crash.conftest import check_invariants, drained
 
 
@@ -102,11 +102,7 @@ def test_many_producers_while_the_worker_runs_every_job_done_exactly_once(
         with lock:
             ids.extend(mine)
 
-    threads = [threading.Thread(target=produce) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    concurrently([produce] * 8)
     assert len(set(ids)) == 4000
     drained(conn, lane, ids, timeout=180)
     check_invariants(conn, lane, ids, ledger)

@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 import pglane
-from tests.conftest import ROOT, Ledger, Workers, slot_holder, wait_until
+from tests.conftest import ROOT, Ledger, Workers, claim, slot_holder, take_slot, wait_until
 from tests.crash.conftest import check_invariants, drained
 
 PRODUCER = """
@@ -157,8 +157,8 @@ def test_a_busy_worker_recovers_a_dead_peers_attempt_periodically(
     pglane.create_lane(conn, "pair", slots=2, job_timeout=20)
     orphan = pglane.enqueue(conn, "pair", {})
     peer = pglane.connect(dsn)  # a peer holding slot 2 claims a job
-    peer.execute("SELECT pg_advisory_lock(id, 2) FROM pglane.lanes WHERE name = 'pair'")
-    claimed = peer.execute("SELECT job_id FROM pglane.claim('pair', 'peer')").fetchone()
+    take_slot(peer, "pair", 2)
+    claimed = claim(peer, "pair")
     assert claimed is not None and claimed["job_id"] == orphan
     busy = [pglane.enqueue(conn, "pair", {"sleep": 0.02}) for _ in range(400)]
     workers.start("pair", "tests.handlers:paid_call", "--recover-interval", "0.5")

@@ -14,7 +14,19 @@ import psycopg
 import pytest
 
 import pglane
-from tests.conftest import ROOT, Ledger, Workers, metrics_port, scrape, slot_holder, terminate, wait_until
+from tests.conftest import (
+    ROOT,
+    Ledger,
+    Workers,
+    claim,
+    claimed,
+    metrics_port,
+    scrape,
+    slot_holder,
+    take_slot,
+    terminate,
+    wait_until,
+)
 from tests.crash.conftest import check_invariants, drained
 
 
@@ -145,8 +157,8 @@ def test_a_stuck_attempt_is_reported_never_handed_over_and_ended_only_on_request
 def test_a_lock_timeout_inside_complete_rolls_back_cleanly(session: Any, lane: str) -> None:
     worker, blocker = session(), session(autocommit=False)
     job = pglane.enqueue(worker, lane, {})
-    worker.execute("SELECT pg_advisory_lock(id, 1) FROM pglane.lanes WHERE name = %s", (lane,))
-    row = worker.execute("SELECT * FROM pglane.claim(%s, 'w')", (lane,)).fetchone()
+    take_slot(worker, lane)
+    row = claimed(worker, lane)
     blocker.execute("SELECT 1 FROM pglane.jobs WHERE id = %s FOR UPDATE", (job,))
     worker.execute("SET lock_timeout = '100ms'")
     with pytest.raises(psycopg.errors.LockNotAvailable):
@@ -161,14 +173,14 @@ def test_a_lock_timeout_inside_complete_rolls_back_cleanly(session: Any, lane: s
 def test_a_statement_timeout_inside_claim_consumes_no_seq_and_claims_nothing(session: Any, lane: str) -> None:
     worker, blocker = session(), session(autocommit=False)
     pglane.enqueue(worker, lane, {})
-    worker.execute("SELECT pg_advisory_lock(id, 1) FROM pglane.lanes WHERE name = %s", (lane,))
+    take_slot(worker, lane)
     blocker.execute("SELECT 1 FROM pglane.lane_counters FOR UPDATE")
     worker.execute("SET statement_timeout = '100ms'")
     with pytest.raises(psycopg.errors.QueryCanceled):
-        worker.execute("SELECT * FROM pglane.claim(%s, 'w')", (lane,))
+        claim(worker, lane)
     blocker.rollback()
     worker.execute("RESET statement_timeout")
     assert worker.execute("SELECT status FROM pglane.jobs").fetchone()["status"] == "queued"
     assert worker.execute("SELECT count(*) AS n FROM pglane.attempts").fetchone()["n"] == 0
-    row = worker.execute("SELECT * FROM pglane.claim(%s, 'w')", (lane,)).fetchone()
+    row = claimed(worker, lane)
     assert row["seq"] == 1  # the cancelled claim gave its number back
