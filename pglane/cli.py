@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 
 from . import client, schema, timing
-from .errors import ConfigurationError, PglaneError, first_line
+from .errors import ConfigurationError, PglaneError, first_line, translate
 from .job import JOB_STATUSES
 
 
@@ -79,6 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     create.add_argument("--lease-timeout", type=_seconds, help="default: 10%% longer than --job-timeout")
     create.add_argument("--max-attempts", type=int, default=1)
     create.add_argument("--max-queued", type=int)
+    create.add_argument("--max-result-bytes", type=int, default=16 * 1024 * 1024,
+                        help="a handler's result larger than this fails its attempt (default 16 MiB)")
 
     enq = sub.add_parser("enqueue", help="add a job; prints its id")
     enq.add_argument("lane")
@@ -153,6 +155,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pglane: the database connection failed ({first_line(exc)}); check --dsn / PGLANE_DSN and the server",
               file=sys.stderr)
         return 1
+    except psycopg.Error as exc:  # one line, whatever the database refused
+        mapped = translate(exc)
+        print(f"pglane: {mapped if mapped is not None else first_line(exc)}", file=sys.stderr)
+        return 1
+    except UnicodeEncodeError as exc:
+        print(f"pglane: an argument is not valid UTF-8 ({exc.reason}); pass names, keys and payloads as UTF-8 text",
+              file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 
@@ -195,7 +205,7 @@ def _command(conn: Any, args: argparse.Namespace) -> int:
     if cmd == "lane":
         lane_id = client.create_lane(conn, args.name, slots=args.slots, job_timeout=args.job_timeout,
                                      lease_timeout=args.lease_timeout, max_attempts=args.max_attempts,
-                                     max_queued=args.max_queued)
+                                     max_queued=args.max_queued, max_result_bytes=args.max_result_bytes)
         print(f"lane {args.name} created (id {lane_id})")
     elif cmd == "enqueue":
         print(client.enqueue(conn, args.lane, args.payload, key=args.key))

@@ -96,6 +96,7 @@ def create_lane(
     waiting_grace: float = 5.0,
     max_payload_bytes: int = 1024 * 1024,
     retry_backoff: float = 2.0,
+    max_result_bytes: int = 16 * 1024 * 1024,
 ) -> int:
     """Create a lane and return its id. With no lease_timeout, it is 10 % longer than job_timeout."""
     lease = timing.default_lease_timeout(job_timeout) if lease_timeout is None else lease_timeout
@@ -105,7 +106,8 @@ def create_lane(
     row = _one(
         conn,
         queries.CREATE_LANE,
-        (name, slots, job_timeout, lease, max_attempts, max_queued, waiting_grace, max_payload_bytes, retry_backoff),
+        (name, slots, job_timeout, lease, max_attempts, max_queued, waiting_grace, max_payload_bytes, retry_backoff,
+         max_result_bytes),
     )
     return int(row["id"])
 
@@ -115,16 +117,20 @@ def lanes(conn: psycopg.Connection[Row]) -> list[Row]:
         return conn.execute(queries.LANES, {"name": None}).fetchall()
 
 
+_EMPTY: Any = object()  # enqueue() was given no payload: the job's is {}
+
+
 def enqueue(
     conn: psycopg.Connection[Row],
     lane: str,
-    payload: Any = None,
+    payload: Any = _EMPTY,
     *,
     key: str | None = None,
     run_after: datetime | None = None,
 ) -> int:
-    """Add a job and return its id; the same key returns the existing job (see pglane.enqueue)."""
-    text = payload_json({} if payload is None else payload)
+    """Add a job and return its id; the same key returns the existing job (see pglane.enqueue). A
+    payload is a JSON object or array; given none, it is ``{}``; ``None`` is refused like any scalar."""
+    text = "{}" if payload is _EMPTY else payload_json(payload)
     row = _one(conn, queries.ENQUEUE, (lane, text, key, run_after))
     return int(row["enqueue"])
 

@@ -120,6 +120,19 @@ class SlotLost(NoSlotHeld):
     the worker reconnects and takes a slot again before it claims."""
 
 
+class NotTheClaimer(PglaneError):
+    """An outcome was sent for an attempt by a session that did not claim it and lacks its token:
+    nothing was written."""
+
+    sqlstate = "PGL12"
+
+
+class PermissionDenied(PglaneError):
+    """The connecting role lacks a privilege the statement needs (SQLSTATE 42501): nothing changed."""
+
+    sqlstate = "42501"
+
+
 class InvalidTransition(PglaneError):
     """retry/cancel asked for a job whose status does not allow it; nothing changed."""
 
@@ -143,6 +156,7 @@ CONSTRAINT_HINTS: dict[str, str] = {
     "lane_waiting_grace_range": "waiting_grace must be between 0 and 1 hour",
     "lane_max_payload_range": "max_payload_bytes must be between 1 byte and 64 MiB",
     "lane_retry_backoff_range": "retry_backoff must be between 0 and 1 hour",
+    "lane_max_result_range": "max_result_bytes must be between 1 byte and 256 MiB",
     "job_status_valid": "job status must be one of queued, running, done, failed, cancelled",
     "attempt_status_valid": "attempt status must be one of running, done, failed, lost, timed_out",
 }
@@ -157,6 +171,11 @@ def translate(exc: psycopg.Error) -> PglaneError | None:
     if code in ("22P05", "22P02"):  # untranslatable character / invalid text representation
         return InvalidInput(f"{diag.message_primary or exc}: PostgreSQL cannot store this value as given"
                             " (e.g. a \\u0000 in JSON); fix the value and send it again")
+    if code == PermissionDenied.sqlstate:
+        return PermissionDenied(f"{diag.message_primary or exc}: the connecting role needs the pglane role for"
+                                " this (pglane_producer to enqueue and read its jobs, pglane_worker to run a"
+                                " worker, pglane_operator for status, retry, cancel, recover and prune);"
+                                " an administrator grants it, e.g. GRANT pglane_operator TO your_login")
     if code in SQLSTATES:
         message = diag.message_primary or str(exc)
         if diag.message_hint:

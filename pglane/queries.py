@@ -7,9 +7,10 @@ from typing import LiteralString
 
 ENQUEUE: LiteralString = "SELECT pglane.enqueue(%s, %s::jsonb, %s, %s)"
 CLAIM: LiteralString = "SELECT * FROM pglane.claim(%s, %s)"
-COMPLETE: LiteralString = "SELECT pglane.complete(%s, %s::jsonb)"
-COMPLETE_AND_CLAIM: LiteralString = "SELECT * FROM pglane.complete_and_claim(%s, %s::jsonb, %s, %s)"
-FAIL: LiteralString = "SELECT pglane.fail(%s, %s, %s)"
+# An outcome carries the attempt's token (claim() returned it): any session holding it may write.
+COMPLETE: LiteralString = "SELECT pglane.complete(%s, %s::jsonb, %s)"
+COMPLETE_AND_CLAIM: LiteralString = "SELECT * FROM pglane.complete_and_claim(%s, %s::jsonb, %s, %s, %s)"
+FAIL: LiteralString = "SELECT pglane.fail(%s, %s, %s, %s)"
 RECOVER: LiteralString = "SELECT pglane.recover(%s)"
 RETRY: LiteralString = "SELECT pglane.retry(%s)"
 CANCEL: LiteralString = "SELECT pglane.cancel(%s)"
@@ -20,14 +21,14 @@ LIVE_SESSIONS: LiteralString = "SELECT count(*) AS n FROM pg_stat_activity WHERE
 
 LANES: LiteralString = (  # every lane, or the one named %(name)s
     "SELECT id, name, slots, extract(epoch FROM job_timeout)::float8 AS job_timeout,"
-    " extract(epoch FROM lease_timeout)::float8 AS lease_timeout, max_attempts, max_queued"
+    " extract(epoch FROM lease_timeout)::float8 AS lease_timeout, max_attempts, max_queued, max_result_bytes"
     " FROM pglane.lanes WHERE %(name)s::text IS NULL OR name = %(name)s ORDER BY name"
 )
 CREATE_LANE: LiteralString = (
     "INSERT INTO pglane.lanes (name, slots, job_timeout, lease_timeout, max_attempts, max_queued,"
-    " waiting_grace, max_payload_bytes, retry_backoff)"
+    " waiting_grace, max_payload_bytes, retry_backoff, max_result_bytes)"
     " VALUES (%s, %s, make_interval(secs => %s), make_interval(secs => %s), %s, %s,"
-    " make_interval(secs => %s), %s, make_interval(secs => %s)) RETURNING id"
+    " make_interval(secs => %s), %s, make_interval(secs => %s), %s) RETURNING id"
 )
 
 TRY_SLOT: LiteralString = "SELECT pg_try_advisory_lock(%s, %s)"
@@ -51,7 +52,7 @@ ATTEMPTS: LiteralString = (
     "SELECT id, attempt_number, status, worker, backend_pid, backend_start, started_at, finished_at,"
     " lease_expires_at, seq, error FROM pglane.attempts WHERE job_id = %s ORDER BY attempt_number"
 )
-JOB_RESULT: LiteralString = "SELECT result FROM pglane.jobs WHERE id = %s"
+JOB_RESULT: LiteralString = "SELECT result FROM pglane.job_status WHERE job_id = %s"  # a producer's own jobs
 
 # The worker's queue gauges (pglane.metrics): the lane's queued jobs, the age of the oldest, and its running
 # attempts, read through the queue and running-attempt indexes so the cost does not grow with history.

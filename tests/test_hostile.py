@@ -4,6 +4,9 @@ is named, and a producer's open transaction holds up no claim."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -12,6 +15,8 @@ import pytest
 from psycopg.conninfo import make_conninfo
 
 import pglane
+from tests.conftest import ROOT
+from tests.test_cli import run
 
 LOGINS = {  # login role -> the pglane group it is granted (None: no pglane role at all)
     "hostile_producer_a": "pglane_producer",
@@ -255,3 +260,36 @@ def test_every_function_a_pglane_role_may_call_runs_with_a_fixed_search_path(con
         "   AND NOT EXISTS (SELECT 1 FROM unnest(p.proconfig) c WHERE c LIKE 'search_path=%%')"
         " ORDER BY 1").fetchall()
     assert loose == []
+
+
+# ----- the command line answers bad input in one line ---------------------------------------------
+
+
+def test_a_null_payload_is_refused_like_any_other_scalar(dsn: str, conn: Any, lane: str) -> None:
+    done = run("enqueue", lane, "null", dsn=dsn)
+    assert done.returncode == 1 and "payload must be a JSON object or array, not null" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    with pytest.raises(pglane.InvalidPayload):
+        pglane.enqueue(conn, lane, None)
+    assert pglane.job_status(conn, pglane.enqueue(conn, lane))["status"] == "queued"  # no payload: {}
+    assert conn.execute("SELECT payload FROM pglane.jobs").fetchall() == [{"payload": {}}]
+
+
+def test_a_login_without_the_role_it_needs_gets_one_line_saying_which(
+    login: Callable[[str], Any], dsn: str, lane: str
+) -> None:
+    login("hostile_squatter")  # creates the logins
+    for args in (("status",), ("enqueue", lane, "{}"), ("retry", "1")):
+        done = run(*args, dsn=make_conninfo(dsn, user="hostile_squatter"))
+        assert done.returncode == 1, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert "permission denied" in done.stderr and "GRANT pglane_" in done.stderr
+
+
+def test_an_argument_that_is_not_utf8_gets_one_line(dsn: str, lane: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PGLANE_DSN"} | {"PGLANE_DSN": dsn}
+    done = subprocess.run([sys.executable.encode(), b"-m", b"pglane", b"enqueue", b"br\xffin", b"{}"],
+                          capture_output=True, env=env, cwd=ROOT, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.decode().strip().splitlines() == [
+        "pglane: an argument is not valid UTF-8 (surrogates not allowed); pass names, keys and payloads as UTF-8 text"]
