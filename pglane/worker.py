@@ -1,7 +1,8 @@
 """The worker loop: hold a slot of one lane, claim, call the handler, complete; survive the rest.
 
 Owns the sequence of one worker process (DESIGN §3): take a free slot or wait as a standby, recover
-the lane, LISTEN, drain the queue, and wait for a wake-up or the poll interval. Invariants:
+the lane, LISTEN, drain the queue, and wait for a wake-up or the poll interval; the call and its
+timeouts belong to pglane.call. Invariants:
 - a claim commits before the handler runs, and runs on the slot session (the database refuses others);
 - every outcome is written through the guarded pglane.complete()/fail(), so a late or zombie write can
   never overwrite a newer attempt; an outcome that could not be written (the connection died) is kept
@@ -10,7 +11,9 @@ the lane, LISTEN, drain the queue, and wait for a wake-up or the poll interval. 
   outcome, releases the slot and exits 0: a stop never cuts a call off. If the database is unreachable
   then, it does not wait for it: it logs the statement that stores the outcome and exits 69;
 - a handler still running at the hard timeout (it ignored cancellation, or it is sync) gets its
-  attempt recorded timed_out and the process ends with EXIT_HUNG, because a thread cannot be killed;
+  attempt recorded timed_out and the process ends with EXIT_HUNG, because a thread cannot be killed
+  (pglane.call); a slot session that dies during a call is released when the call ends, so the write
+  of its outcome fails and the outcome is kept pending;
 - no NOTIFY is dropped unanswered: one is forgotten only after a claim that found a job (another claim
   follows before any wait); one read during an empty claim may announce a job committed after that
   claim's snapshot, so it ends the next wait at once. A lost one would cost a poll interval.
@@ -27,19 +30,21 @@ import logging
 import os
 import signal
 import socket
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import psycopg
 from psycopg import sql
 from tenacity import AsyncRetrying, RetryError, retry_if_exception_type, wait_exponential
 
-from . import handler as handlers
 from . import queries, timing
-from .errors import ConfigurationError, DatabaseUnavailable, UnknownLane
+from .call import EXIT_HUNG as EXIT_HUNG
+from .call import QUICK_CALL as QUICK_CALL
+from .call import Caller
+from .call import Watchdog as Watchdog
+from .errors import ConfigurationError, DatabaseUnavailable, SlotLost, UnknownLane, first_line
 from .handler import Handler, Outcome, Runner
 from .job import Job
 from .metrics import Metrics
@@ -48,10 +53,7 @@ from .slot import LockSession
 log = logging.getLogger("pglane.worker")
 
 EXIT_OK = 0
-EXIT_CONFIG = 2
-EXIT_HUNG = 75  # EX_TEMPFAIL: a handler outlived the hard timeout; restart the process
 EXIT_UNSTORED = 69  # EX_UNAVAILABLE: stopped while the database was unreachable, an outcome unwritten
-QUICK_CALL = 0.05  # calls shorter than this run without a connection watcher (saves a task per job)
 
 
 @dataclass(frozen=True)
@@ -74,49 +76,9 @@ class Lane:
     lease_timeout: float
 
 
-class SlotLost(Exception):
-    """The slot session no longer holds its slot: reconnect and take one again before claiming."""
-
-
-class Watchdog(threading.Thread):
-    """The last resort against a handler that blocks the event loop past the hard timeout: from its
-    own thread and its own connection it records the attempt timed_out, then ends the process.
-
-    Arming costs the event loop one attribute assignment per job (atomic under the GIL): the thread
-    is never signalled, it looks every TICK seconds, so a hung call is caught within GRACE + TICK
-    after its hard deadline (the event loop itself acts at the deadline when it can)."""
-
-    GRACE = 1.0
-    TICK = 0.25
-
-    def __init__(self, dsn: str) -> None:
-        super().__init__(name="pglane-watchdog", daemon=True)
-        self.dsn = dsn
-        self.armed: tuple[int, float] | None = None  # (attempt id, monotonic deadline); set by the loop only
-
-    def arm(self, attempt_id: int, deadline: float) -> None:
-        self.armed = (attempt_id, deadline)
-
-    def disarm(self) -> None:
-        self.armed = None
-
-    def run(self) -> None:
-        while True:
-            time.sleep(self.TICK)
-            armed = self.armed
-            if armed is not None and time.monotonic() > armed[1] + self.GRACE:
-                self._fire(armed[0])
-
-    def _fire(self, attempt_id: int) -> None:
-        log.error("attempt %s: the handler blocked the worker past its hard timeout; recording it "
-                  "timed_out and ending the process (exit %s)", attempt_id, EXIT_HUNG)
-        with contextlib.suppress(Exception), psycopg.connect(self.dsn, autocommit=True, connect_timeout=5) as conn:
-            conn.execute(queries.FAIL, (attempt_id, "timed out: the handler blocked past the worker's hard "
-                                        "timeout; the process was recycled", True))
-        os._exit(EXIT_HUNG)
-
-
 class Worker:
+    _caller: Caller  # makes the calls; made by main() once the lane's timeouts are known
+
     def __init__(self, dsn: str, lane: str, handler: Handler, options: WorkerOptions | None = None) -> None:
         self.dsn = dsn
         self.lane_name = lane
@@ -126,10 +88,8 @@ class Worker:
         self.jobs_run = 0
         self._stopping = asyncio.Event()
         self._pending: tuple[Job, Outcome] | None = None  # an outcome not yet written; see module doc
-        self._hard_timeout = 0.0
         self._started = 0.0
         self._next_recover = 0.0
-        self._watchdog = Watchdog(dsn)
         self._metrics: Metrics | None = None
         self._session: LockSession | None = None  # the session waiting idle, for stop() to interrupt
 
@@ -153,31 +113,29 @@ class Worker:
                 loop.add_signal_handler(sig, self.stop, f"{signal.Signals(sig).name} received")
         self._started = loop.time()
         lane = self._load_lane()
-        self._hard_timeout = self.options.timeout or timing.default_worker_timeout(
-            lane.job_timeout, lane.lease_timeout)
-        rules = timing.Timeouts(job=lane.job_timeout, lease=lane.lease_timeout, worker=self._hard_timeout)
-        if broken := rules.violations():
+        hard_timeout = self.options.timeout or timing.default_worker_timeout(lane.job_timeout, lane.lease_timeout)
+        if broken := timing.Timeouts(job=lane.job_timeout, lease=lane.lease_timeout, worker=hard_timeout).violations():
             raise ConfigurationError(f"lane {lane.name}: " + "; ".join(broken))
-        self._watchdog.start()
         refresher = None
         if self.options.metrics_port is not None:
             self._metrics = Metrics(lane.name, self.options.metrics_port)
             refresher = asyncio.ensure_future(self._metrics.refresh_forever(self.dsn))
+        self._caller = Caller(self.runner, self.dsn, lane.job_timeout, hard_timeout, self._metrics)
         log.info("worker %s for lane %s (%s slot(s), job timeout %gs, hard timeout %gs, lease %gs)",
-                 self.name, lane.name, lane.slots, lane.job_timeout, self._hard_timeout, lane.lease_timeout)
+                 self.name, lane.name, lane.slots, lane.job_timeout, hard_timeout, lane.lease_timeout)
         failures, jobs_then = 0, 0  # sessions ended by a database error with no job done in between
         try:
             while not self._done() or self._pending is not None:
                 try:
                     await self._serve(lane)
                 except (psycopg.OperationalError, SlotLost) as exc:
-                    log.warning("lost the slot session (%s); reconnecting", _first_line(exc))
+                    log.warning("lost the slot session (%s); reconnecting", first_line(exc))
                 except RetryError:
                     break  # asked to stop while the database was unreachable
                 except psycopg.Error as exc:  # the database refused something: back off, never spin
                     failures, jobs_then = (1 if self.jobs_run > jobs_then else failures + 1), self.jobs_run
                     delay = min(5.0, 0.1 * 2**failures)
-                    log.error("database error (%s); reconnecting in %.1fs", _first_line(exc), delay)
+                    log.error("database error (%s); reconnecting in %.1fs", first_line(exc), delay)
                     await asyncio.sleep(delay)
         finally:
             self.runner.shutdown()
@@ -208,7 +166,7 @@ class Worker:
         try:
             conn = psycopg.connect(self.dsn, autocommit=True)
         except psycopg.OperationalError as exc:
-            raise DatabaseUnavailable(f"cannot connect to the database ({_first_line(exc)}); check "
+            raise DatabaseUnavailable(f"cannot connect to the database ({first_line(exc)}); check "
                                       "--dsn / PGLANE_DSN") from None
         with conn:
             row = conn.execute(queries.LANES, {"name": self.lane_name}).fetchone()
@@ -224,7 +182,7 @@ class Worker:
             stop=lambda _state: self._stopping.is_set(),
             retry=retry_if_exception_type(psycopg.OperationalError),
             before_sleep=lambda rs: log.warning(
-                "cannot reach the database (%s); retrying", _first_line(rs.outcome.exception()) if rs.outcome else ""),
+                "cannot reach the database (%s); retrying", first_line(rs.outcome.exception()) if rs.outcome else ""),
         ):
             with attempt:
                 return LockSession.connect(self.dsn, lane.id, lane.slots, f"{lane.name} {self.name}")
@@ -248,7 +206,7 @@ class Worker:
                 self._metrics.slot_held.set(1)
             session.listen()
             self._recover(session)
-            await self._drain(session, lane)
+            await self._drain(session)
         finally:
             if self._metrics is not None:
                 self._metrics.slot_held.set(0)
@@ -261,12 +219,12 @@ class Worker:
                         row["recover"], self.lane_name)
         self._next_recover = asyncio.get_running_loop().time() + self.options.recover_interval
 
-    async def _drain(self, session: LockSession, lane: Lane) -> None:
+    async def _drain(self, session: LockSession) -> None:
         loop = asyncio.get_running_loop()
         job = self._claim(session)
         while True:
             if job is not None:
-                outcome = await self._call(session, job, lane)
+                outcome = await self._call(session, job)
                 self.jobs_run += 1
                 if self._done():
                     self._write(session, job, outcome)
@@ -313,64 +271,16 @@ class Worker:
             cur = session.conn.execute(queries.CLAIM, (self.lane_name, self.name))
         except psycopg.Error as exc:
             if exc.sqlstate == "PGL06":
-                raise SlotLost(_first_line(exc)) from None
+                raise SlotLost(first_line(exc)) from None
             raise
         row = cur.fetchone()
         if self._metrics is not None:
             self._metrics.claim_latency.observe(time.perf_counter() - started)
         return _job(row)
 
-    async def _call(self, session: LockSession, job: Job, lane: Lane) -> Outcome:
-        started = time.monotonic()
-        self._watchdog.arm(job.attempt_id, started + self._hard_timeout)
-        future, cancel = self.runner.start(job)  # an async handler that never suspends is done already
-        if future.done():
-            outcome: Outcome | None = handlers.outcome_of(future)
-        else:
-            outcome = await self._call_slow(session, job, lane, future, cancel, started)
-        self._watchdog.disarm()
-        if outcome is None:
-            self._write(session, job, _hung(self._hard_timeout))
-            self._recycle_hung(job)
-        if self._metrics is not None:
-            self._metrics.duration.observe(time.monotonic() - started)
-        if outcome.error is not None:
-            log.info("attempt %s of job %s %s: %s", job.attempt_id, job.id,
-                     "timed out" if outcome.timed_out else "failed", _first_line(RuntimeError(outcome.error)))
-        return outcome
-
-    async def _call_slow(self, session: LockSession, job: Job, lane: Lane, future: asyncio.Future[Any],
-                         cancel: Callable[[], object], started: float) -> Outcome | None:
-        """A call that did not finish at once: watch the slot session while it runs (calls shorter
-        than QUICK_CALL need no watcher), then enforce the job timeout and the hard timeout."""
-        lost: BaseException | None = None
-        done, _ = await asyncio.wait((future,), timeout=QUICK_CALL)
-        if not done:
-            watcher = asyncio.ensure_future(session.watch())
-            await asyncio.wait((future, watcher), timeout=max(0.0, started + lane.job_timeout - time.monotonic()),
-                               return_when=asyncio.FIRST_COMPLETED)
-            watcher.cancel()
-            (ended,) = await asyncio.gather(watcher, return_exceptions=True)
-            if isinstance(ended, psycopg.Error):
-                lost = ended
-                log.error("the slot session died during attempt %s (%s): no new claim until a slot is taken "
-                          "again; the call goes on and its result will be delivered", job.attempt_id,
-                          _first_line(ended))
-        outcome = await handlers.settle(future, cancel, lane.job_timeout, started + lane.job_timeout,
-                                        started + self._hard_timeout)
-        if lost is not None:
-            self._watchdog.disarm()
-            self._pending = (job, outcome if outcome is not None else _hung(self._hard_timeout))
-            if outcome is None:
-                self._recycle_hung(job)
-            raise SlotLost("the slot session died during a call")
-        return outcome
-
-    def _recycle_hung(self, job: Job) -> NoReturn:
-        log.error("attempt %s of job %s: the handler ignored cancellation past the hard timeout; recorded "
-                  "timed_out, recycling the process (exit %s)", job.attempt_id, job.id, EXIT_HUNG)
-        logging.shutdown()
-        os._exit(EXIT_HUNG)
+    def _call(self, session: LockSession, job: Job) -> Coroutine[Any, Any, Outcome]:
+        """Calling (pglane.call); a plain method handing on the call's coroutine, so it costs no second one."""
+        return self._caller.call(session, job)
 
     def _write(self, session: LockSession, job: Job, outcome: Outcome) -> None:
         """Write one outcome through the guarded functions; keeps it pending if the session dies."""
@@ -380,7 +290,7 @@ class Worker:
                 row = session.conn.execute(queries.COMPLETE, (job.attempt_id, outcome.result_json)).fetchone()
                 accepted = bool((row or {}).get("complete"))
             except psycopg.DataError as exc:
-                outcome = Outcome(error=f"the result could not be stored: {_first_line(exc)}")
+                outcome = Outcome(error=f"the result could not be stored: {first_line(exc)}")
                 self._pending = (job, outcome)
             else:
                 self._pending = None
@@ -404,7 +314,7 @@ class Worker:
             return self._claim(session)
         except psycopg.Error as exc:
             if exc.sqlstate == "PGL06":
-                raise SlotLost(_first_line(exc)) from None
+                raise SlotLost(first_line(exc)) from None
             raise
         self._pending = None
         row = cur.fetchone()
@@ -435,18 +345,9 @@ def unstored_sql(job: Job, outcome: Outcome) -> str:
     return statement.as_string()
 
 
-def _hung(hard_timeout: float) -> Outcome:
-    return Outcome(error=f"timed out: the handler ignored cancellation past the worker's hard timeout of "
-                         f"{hard_timeout:g}s; the process was recycled", timed_out=True)
-
-
 def _job(row: dict[str, Any] | None) -> Job | None:
     if row is None or row["job_id"] is None:
         return None
     return Job(id=row["job_id"], lane=row["lane"], payload=row["payload"], attempt_id=row["attempt_id"],
                attempt_number=row["attempt_number"], seq=row["seq"], idempotency_key=row["idempotency_key"])
 
-
-def _first_line(exc: BaseException | None) -> str:
-    text = str(exc).strip() if exc is not None else ""
-    return text.splitlines()[0] if text else type(exc).__name__
