@@ -1,19 +1,40 @@
-"""The worker loop: hold a slot of one lane, claim, call the handler, complete; survive the rest.
+"""The worker loop: hold a slot of one lane, claim, call the handler, write the outcome; survive the rest.
 
-Owns the sequence of one worker process (DESIGN §3): take a free slot or wait as a standby, recover
-the lane, LISTEN, drain the queue, and wait for a wake-up or the poll interval; the call and its
-timeouts belong to pglane.call. Invariants:
+Owns the sequence of one worker process (DESIGN §3); the call and its timeouts belong to pglane.call,
+the slot session to pglane.slot. Its states, and where each one leads:
+
+    state            what happens                                              leads to
+    connecting       a session is opened (after a backoff, see below); an      standby; holding
+                     outcome still pending is written first
+    standby          every slot is held: wait for one to free                  holding; stopping
+    holding, idle    on taking the slot: recover, LISTEN, claim. With no job:  calling; stopping
+                     recover if due, else wait for a NOTIFY, the poll interval
+                     or the recovery timer; claim again
+    calling          the handler runs on the claimed job (pglane.call)         writing; exit 75
+    writing          the outcome goes through the guarded complete()/fail();   calling; idle; pending;
+                     on the fast path (no stop, no recovery due) fused with    stopping
+                     the next claim in one round trip (complete_and_claim)
+    pending outcome  the session died before the outcome was written: it is    connecting
+                     kept
+    stopping         SIGTERM/SIGINT, --max-jobs, --max-lifetime: the call in   exit 0; exit 69 (the
+                     progress ends, its outcome is written, the slot released  database unreachable,
+                                                                               an outcome pending)
+
+A database error or a lost session, in any state with a session, leads back to connecting: at once
+after a session that got a job done, else after a backoff (tenacity: 0.1 s doubling up to 5 s, so a
+repeated error is never spun on) that a stop request cuts short. Asked to stop, the worker makes one
+more attempt, to deliver a pending outcome, and gives up if that fails too.
+
+Invariants:
 - a claim commits before the handler runs, and runs on the slot session (the database refuses others);
 - every outcome is written through the guarded pglane.complete()/fail(), so a late or zombie write can
   never overwrite a newer attempt; an outcome that could not be written (the connection died) is kept
   as ``_pending`` and delivered first after reconnecting;
-- on SIGTERM/SIGINT, --max-jobs or --max-lifetime the worker finishes the current call, writes its
-  outcome, releases the slot and exits 0: a stop never cuts a call off. If the database is unreachable
-  then, it does not wait for it: it logs the statement that stores the outcome and exits 69;
-- a handler still running at the hard timeout (it ignored cancellation, or it is sync) gets its
-  attempt recorded timed_out and the process ends with EXIT_HUNG, because a thread cannot be killed
-  (pglane.call); a slot session that dies during a call is released when the call ends, so the write
-  of its outcome fails and the outcome is kept pending;
+- a stop never cuts a call off: the worker finishes the current call, writes its outcome, releases the
+  slot and exits 0. If the database is unreachable then, it does not wait for it: it logs the statement
+  that stores the outcome and exits 69 (EXIT_UNSTORED);
+- a handler still running at the hard timeout gets its attempt recorded timed_out and the process ends
+  with 75 (EXIT_HUNG), because a thread cannot be killed (pglane.call);
 - no NOTIFY is dropped unanswered: one is forgotten only after a claim that found a job (another claim
   follows before any wait); one read during an empty claim may announce a job committed after that
   claim's snapshot, so it ends the next wait at once. A lost one would cost a poll interval.
@@ -33,18 +54,19 @@ import socket
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, LiteralString
 
 import psycopg
 from psycopg import sql
-from tenacity import AsyncRetrying, RetryError, retry_if_exception_type, wait_exponential
+from tenacity import AsyncRetrying, RetryCallState, RetryError, retry_if_exception_type, wait_exponential
 
 from . import queries, timing
 from .call import EXIT_HUNG as EXIT_HUNG
 from .call import QUICK_CALL as QUICK_CALL
 from .call import Caller
 from .call import Watchdog as Watchdog
-from .errors import ConfigurationError, DatabaseUnavailable, SlotLost, UnknownLane, first_line
+from .errors import ConfigurationError, DatabaseUnavailable, NoSlotHeld, UnknownLane, first_line, translate
+from .errors import SlotLost as SlotLost
 from .handler import Handler, Outcome, Runner
 from .job import Job
 from .metrics import Metrics
@@ -54,6 +76,7 @@ log = logging.getLogger("pglane.worker")
 
 EXIT_OK = 0
 EXIT_UNSTORED = 69  # EX_UNAVAILABLE: stopped while the database was unreachable, an outcome unwritten
+SESSION_ENDS = (psycopg.Error, NoSlotHeld, DatabaseUnavailable)  # what ends a session: back to connecting
 
 
 @dataclass(frozen=True)
@@ -88,10 +111,11 @@ class Worker:
         self.jobs_run = 0
         self._stopping = asyncio.Event()
         self._pending: tuple[Job, Outcome] | None = None  # an outcome not yet written; see module doc
-        self._started = 0.0
+        self._started = 0.0  # time.monotonic(), as every timer of the worker
         self._next_recover = 0.0
+        self._last_try = False  # the current session began after a stop request: if it fails, give up
         self._metrics: Metrics | None = None
-        self._session: LockSession | None = None  # the session waiting idle, for stop() to interrupt
+        self._idle_session: LockSession | None = None  # the session waiting idle, for stop() to interrupt
 
     # ----- life cycle -----------------------------------------------------------------------
 
@@ -103,15 +127,15 @@ class Worker:
         if not self._stopping.is_set():
             log.info("%s: finishing the current job, then releasing the slot and exiting", reason)
             self._stopping.set()
-            if self._session is not None:
-                self._session.interrupt()
+            if self._idle_session is not None:
+                self._idle_session.interrupt()
 
     async def main(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(ValueError, RuntimeError):  # not the main thread
                 loop.add_signal_handler(sig, self.stop, f"{signal.Signals(sig).name} received")
-        self._started = loop.time()
+        self._started = time.monotonic()
         lane = self._load_lane()
         hard_timeout = self.options.timeout or timing.default_worker_timeout(lane.job_timeout, lane.lease_timeout)
         if broken := timing.Timeouts(job=lane.job_timeout, lease=lane.lease_timeout, worker=hard_timeout).violations():
@@ -123,20 +147,8 @@ class Worker:
         self._caller = Caller(self.runner, self.dsn, lane.job_timeout, hard_timeout, self._metrics)
         log.info("worker %s for lane %s (%s slot(s), job timeout %gs, hard timeout %gs, lease %gs)",
                  self.name, lane.name, lane.slots, lane.job_timeout, hard_timeout, lane.lease_timeout)
-        failures, jobs_then = 0, 0  # sessions ended by a database error with no job done in between
         try:
-            while not self._done() or self._pending is not None:
-                try:
-                    await self._serve(lane)
-                except (psycopg.OperationalError, SlotLost) as exc:
-                    log.warning("lost the slot session (%s); reconnecting", first_line(exc))
-                except RetryError:
-                    break  # asked to stop while the database was unreachable
-                except psycopg.Error as exc:  # the database refused something: back off, never spin
-                    failures, jobs_then = (1 if self.jobs_run > jobs_then else failures + 1), self.jobs_run
-                    delay = min(5.0, 0.1 * 2**failures)
-                    log.error("database error (%s); reconnecting in %.1fs", first_line(exc), delay)
-                    await asyncio.sleep(delay)
+            await self._serve_until_stopped(lane)
         finally:
             self.runner.shutdown()
             if refresher is not None:
@@ -160,7 +172,7 @@ class Worker:
         o = self.options
         if o.max_jobs is not None and self.jobs_run >= o.max_jobs:
             return True
-        return o.max_lifetime is not None and asyncio.get_running_loop().time() - self._started >= o.max_lifetime
+        return o.max_lifetime is not None and time.monotonic() - self._started >= o.max_lifetime
 
     def _load_lane(self) -> Lane:
         try:
@@ -174,34 +186,59 @@ class Worker:
             raise UnknownLane(f"unknown lane {self.lane_name!r}; create it with: pglane lane create {self.lane_name}")
         return Lane(*row[:5])
 
-    # ----- one session: connect, slot, listen, recover, drain ---------------------------------
+    # ----- sessions, one after another: connecting, with the backoff -------------------------
 
-    async def _connect(self, lane: Lane) -> LockSession:
-        async for attempt in AsyncRetrying(
-            wait=wait_exponential(multiplier=0.1, max=5.0),
-            stop=lambda _state: self._stopping.is_set(),
-            retry=retry_if_exception_type(psycopg.OperationalError),
-            before_sleep=lambda rs: log.warning(
-                "cannot reach the database (%s); retrying", first_line(rs.outcome.exception()) if rs.outcome else ""),
-        ):
-            with attempt:
-                return LockSession.connect(self.dsn, lane.id, lane.slots, f"{lane.name} {self.name}")
-        raise AssertionError("unreachable")
+    async def _serve_until_stopped(self, lane: Lane) -> None:
+        """Sessions one after another until there is nothing left to do (module doc: connecting)."""
+        while self._work_left():
+            reconnecting = AsyncRetrying(  # begun afresh after a session that got a job done
+                retry=retry_if_exception_type(SESSION_ENDS), wait=wait_exponential(multiplier=0.1, max=5.0),
+                stop=self._give_up, sleep=self._nap, before_sleep=_log_retry)
+            try:
+                async for attempt in reconnecting:
+                    with attempt:
+                        await self._serve(lane)
+            except RetryError as exc:
+                _log_session_end(exc.last_attempt.exception(), "not reconnecting: the worker is stopping")
+                return
+
+    def _work_left(self) -> bool:
+        return not self._done() or self._pending is not None
+
+    def _give_up(self, _: RetryCallState) -> bool:
+        """After a failed session: it was the last try after a stop, or nothing is left to do."""
+        return self._last_try or not self._work_left()
+
+    async def _nap(self, seconds: float) -> None:
+        """The backoff's sleep: a stop request ends it at once."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
 
     async def _serve(self, lane: Lane) -> None:
-        session = await self._connect(lane)
+        """One session, until done. A database error ends it: raised for a backoff, unless the session
+        got a job done (then it returns, and the next session begins at once, its backoff afresh)."""
+        if not self._work_left():
+            return  # stopped during a backoff, with no outcome to deliver
+        self._last_try = self._stopping.is_set()
+        jobs = self.jobs_run
+        try:
+            await self._session(lane)
+        except SESSION_ENDS as exc:
+            if self.jobs_run == jobs:
+                raise
+            _log_session_end(exc, "reconnecting")
+
+    async def _session(self, lane: Lane) -> None:
+        """Connect, deliver a pending outcome, take a slot (or wait as a standby), recover, LISTEN, drain."""
+        try:
+            session = LockSession.connect(self.dsn, lane.id, lane.slots, f"{lane.name} {self.name}")
+        except psycopg.OperationalError as exc:
+            raise DatabaseUnavailable(first_line(exc)) from None
         try:
             if self._pending is not None:
-                job, outcome = self._pending
-                self._write(session, job, outcome)
-                self._pending = None
-            if self._done():
+                self._write(session, *self._pending)
+            if self._done() or not await self._take_slot(session, lane):
                 return
-            if not session.try_take():
-                log.info("standby: all %s slot(s) of lane %s are held; waiting to take over", lane.slots, lane.name)
-                if not await session.wait_take(self._stopping):
-                    return
-            log.info("holding slot %s of lane %s", session.slot, lane.name)
             if self._metrics is not None:
                 self._metrics.slot_held.set(1)
             session.listen()
@@ -212,75 +249,112 @@ class Worker:
                 self._metrics.slot_held.set(0)
             session.release()
 
+    async def _take_slot(self, session: LockSession, lane: Lane) -> bool:
+        """Take a free slot, or wait as a standby until one frees; False if asked to stop first."""
+        if not session.try_take():
+            log.info("standby: all %s slot(s) of lane %s are held; waiting to take over", lane.slots, lane.name)
+            if not await session.wait_take(self._stopping):
+                return False
+        log.info("holding slot %s of lane %s", session.slot, lane.name)
+        return True
+
+    # ----- holding the slot: run the job held, else wait and claim ---------------------------
+
+    async def _drain(self, session: LockSession) -> None:
+        """Holding the slot, until done: run the job held, else wait and claim (module doc)."""
+        job = self._claim(session)
+        while job is not None or not self._done():
+            if job is not None:
+                outcome = await self._call(session, job)
+                self.jobs_run += 1
+                job = self._write_and_claim(session, job, outcome)
+            else:
+                job = await self._wait_and_claim(session)
+
+    def _call(self, session: LockSession, job: Job) -> Coroutine[Any, Any, Outcome]:
+        """Calling (pglane.call); a plain method handing on the call's coroutine, so it costs no second one."""
+        return self._caller.call(session, job)
+
+    async def _wait_and_claim(self, session: LockSession) -> Job | None:
+        """Idle: recover the lane if due (when idle, and between jobs of a long busy spell), else wait for
+        a wake-up; then claim. None once done."""
+        if self._recovery_due():
+            self._recover(session)
+        else:
+            await self._idle(session)
+            if self._done():
+                return None
+        job = self._claim(session)
+        if job is not None:
+            # Only now may the wake-up be forgotten: the loop claims again before it waits, so a NOTIFY
+            # read with this claim is answered by that one. After an empty claim, one read with it may be
+            # for a job committed after its snapshot: it stays, and ends the next wait.
+            session.forget_wakes()
+        return job
+
+    async def _idle(self, session: LockSession) -> None:
+        """Wait for a NOTIFY, the poll interval, the next recovery, the end of life, or a stop."""
+        now = time.monotonic()
+        timeout = min(self.options.poll_interval, max(0.0, self._next_recover - now))
+        if self.options.max_lifetime is not None:
+            timeout = min(timeout, max(0.0, self._started + self.options.max_lifetime - now))
+        if not self._stopping.is_set():
+            self._idle_session = session
+            try:
+                await session.wait_for_wake(timeout)
+            finally:
+                self._idle_session = None
+
+    def _recovery_due(self) -> bool:
+        return time.monotonic() >= self._next_recover
+
     def _recover(self, session: LockSession) -> None:
         row = session.conn.execute(queries.RECOVER, (self.lane_name,)).fetchone()
         if row and row["recover"]:
             log.warning("recovered %s attempt(s) of lane %s whose worker was gone (marked lost)",
                         row["recover"], self.lane_name)
-        self._next_recover = asyncio.get_running_loop().time() + self.options.recover_interval
+        self._next_recover = time.monotonic() + self.options.recover_interval
 
-    async def _drain(self, session: LockSession) -> None:
-        loop = asyncio.get_running_loop()
-        job = self._claim(session)
-        while True:
-            if job is not None:
-                outcome = await self._call(session, job)
-                self.jobs_run += 1
-                if self._done():
-                    self._write(session, job, outcome)
-                    return
-                if loop.time() < self._next_recover:
-                    job = self._write_and_claim(session, job, outcome)  # the fast path
-                    continue
-                self._write(session, job, outcome)
-            if self._done():
-                return
-            if loop.time() >= self._next_recover:  # when idle, and between jobs of a long busy spell
-                self._recover(session)
-                job = self._claim(session)
-                if job is not None:
-                    continue
-            await self._idle(session)
-            if self._done():
-                return
-            job = self._claim(session)
-            if job is not None:
-                # Only now may the wake-up be forgotten: the loop claims again before it waits, so a
-                # NOTIFY read with it is answered by that claim. After an empty claim, one read with
-                # it may be for a job committed after its snapshot: it stays, and ends the next wait.
-                session.forget_wakes()
-
-    async def _idle(self, session: LockSession) -> None:
-        """Wait for a NOTIFY, the poll interval, the next recovery, the end of life, or a stop."""
-        loop = asyncio.get_running_loop()
-        timeout = min(self.options.poll_interval, max(0.0, self._next_recover - loop.time()))
-        if self.options.max_lifetime is not None:
-            timeout = min(timeout, max(0.0, self._started + self.options.max_lifetime - loop.time()))
-        if not self._stopping.is_set():
-            self._session = session
-            try:
-                await session.wait_for_wake(timeout)
-            finally:
-                self._session = None
-
-    # ----- claim, call, write ---------------------------------------------------------------
+    # ----- claim and write ------------------------------------------------------------------
 
     def _claim(self, session: LockSession) -> Job | None:
+        return _job(self._claim_round_trip(session, queries.CLAIM, (self.lane_name, self.name)))
+
+    def _claim_round_trip(self, session: LockSession, query: LiteralString,
+                          params: tuple[Any, ...]) -> dict[str, Any] | None:
+        """Run a statement that claims (claim, or complete_and_claim); its row. The one place that times
+        a claim (the claim latency metric) and turns the database's refusal of a claim into SlotLost."""
         started = time.perf_counter()
         try:
-            cur = session.conn.execute(queries.CLAIM, (self.lane_name, self.name))
+            row = session.conn.execute(query, params).fetchone()
         except psycopg.Error as exc:
-            if exc.sqlstate == "PGL06":
+            if isinstance(translate(exc), NoSlotHeld):
                 raise SlotLost(first_line(exc)) from None
             raise
-        row = cur.fetchone()
         if self._metrics is not None:
             self._metrics.claim_latency.observe(time.perf_counter() - started)
-        return _job(row)
+        return row
 
-    def _call(self, session: LockSession, job: Job) -> Coroutine[Any, Any, Outcome]:
-        """Calling (pglane.call); a plain method handing on the call's coroutine, so it costs no second one."""
-        return self._caller.call(session, job)
+    def _write_and_claim(self, session: LockSession, job: Job, outcome: Outcome) -> Job | None:
+        """Write the outcome and claim the next job: one round trip for a result (the fast path). Only
+        written, nothing claimed, when the worker is done or a recovery is due (it runs first)."""
+        if self._done() or self._recovery_due():
+            self._write(session, job, outcome)
+            return None
+        if outcome.result_json is None:
+            self._write(session, job, outcome)
+            return self._claim(session)
+        self._pending = (job, outcome)
+        try:
+            row = self._claim_round_trip(session, queries.COMPLETE_AND_CLAIM,
+                                         (job.attempt_id, outcome.result_json, self.lane_name, self.name))
+        except psycopg.DataError:
+            self._write(session, job, outcome)  # re-tried alone, then failed with the reason
+            return self._claim(session)
+        self._pending = None
+        assert row is not None
+        self._written(job, bool(row["completed"]), ok=True)
+        return _job(row)
 
     def _write(self, session: LockSession, job: Job, outcome: Outcome) -> None:
         """Write one outcome through the guarded functions; keeps it pending if the session dies."""
@@ -299,30 +373,6 @@ class Worker:
         row = session.conn.execute(queries.FAIL, (job.attempt_id, outcome.error, outcome.timed_out)).fetchone()
         self._pending = None
         self._written(job, bool((row or {}).get("fail")), ok=False)
-
-    def _write_and_claim(self, session: LockSession, job: Job, outcome: Outcome) -> Job | None:
-        if outcome.result_json is None:
-            self._write(session, job, outcome)
-            return self._claim(session)
-        self._pending = (job, outcome)
-        started = time.perf_counter()
-        try:
-            cur = session.conn.execute(
-                queries.COMPLETE_AND_CLAIM, (job.attempt_id, outcome.result_json, self.lane_name, self.name))
-        except psycopg.DataError:
-            self._write(session, job, outcome)  # re-tried alone, then failed with the reason
-            return self._claim(session)
-        except psycopg.Error as exc:
-            if exc.sqlstate == "PGL06":
-                raise SlotLost(first_line(exc)) from None
-            raise
-        self._pending = None
-        row = cur.fetchone()
-        if self._metrics is not None:
-            self._metrics.claim_latency.observe(time.perf_counter() - started)
-        assert row is not None
-        self._written(job, bool(row["completed"]), ok=True)
-        return _job(row)
 
     def _written(self, job: Job, accepted: bool, *, ok: bool) -> None:
         """An outcome reached the database: counted, if the guard accepted it, as what was written (a
@@ -345,9 +395,22 @@ def unstored_sql(job: Job, outcome: Outcome) -> str:
     return statement.as_string()
 
 
+def _log_retry(state: RetryCallState) -> None:
+    exc = state.outcome.exception() if state.outcome is not None else None
+    _log_session_end(exc, f"reconnecting in {state.upcoming_sleep:.1f}s")
+
+
+def _log_session_end(exc: BaseException | None, then: str) -> None:
+    if isinstance(exc, DatabaseUnavailable):
+        log.warning("cannot reach the database (%s); %s", first_line(exc), then)
+    elif isinstance(exc, psycopg.OperationalError | NoSlotHeld):
+        log.warning("lost the slot session (%s); %s", first_line(exc), then)
+    else:
+        log.error("database error (%s); %s", first_line(exc), then)
+
+
 def _job(row: dict[str, Any] | None) -> Job | None:
     if row is None or row["job_id"] is None:
         return None
     return Job(id=row["job_id"], lane=row["lane"], payload=row["payload"], attempt_id=row["attempt_id"],
                attempt_number=row["attempt_number"], seq=row["seq"], idempotency_key=row["idempotency_key"])
-
