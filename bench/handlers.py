@@ -51,7 +51,7 @@ def _experiment(name: str) -> None:
     from pglane import handler as handlers
     from pglane import worker
 
-    async def lean_call(self: worker.Worker, session: Any, job: Job, lane: Any) -> handlers.Outcome:
+    async def lean_call(self: worker.Worker, session: Any, job: Job) -> handlers.Outcome:
         return handlers.encode(await self.runner.handler(job))
 
     if name == "lean-call":

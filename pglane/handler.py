@@ -1,10 +1,11 @@
 """Handlers: load ``MODULE:CALLABLE`` and run it on one job under the lane's job timeout.
 
-Owns the call itself. Invariant: a handler's outcome is always one of ``Outcome``'s three shapes, and
-a result that cannot be stored as JSON is a failure of the attempt, never a crash of the worker.
-A sync handler runs in a dedicated thread (it cannot be cancelled: past the worker's hard timeout
-the process recycles itself, see worker.Watchdog); an async one runs on the event loop and is
-cancelled at the job timeout.
+Owns the handler: loading it, running it, what became of it (``Outcome``) and ``settle()``, the two
+deadlines of a started call; pglane.call makes the worker's calls with these. Invariant: a handler's
+outcome is always one of ``Outcome``'s three shapes, and a result that cannot be stored as JSON is a
+failure of the attempt, never a crash of the worker. A sync handler runs in a dedicated thread (it
+cannot be cancelled: past the worker's hard timeout the process recycles itself, see pglane.call); an
+async one runs on the event loop and is cancelled at the job timeout. No database is involved here.
 """
 
 from __future__ import annotations

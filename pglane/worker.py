@@ -1,16 +1,40 @@
-"""The worker loop: hold a slot of one lane, claim, call the handler, complete; survive the rest.
+"""The worker loop: hold a slot of one lane, claim, call the handler, write the outcome; survive the rest.
 
-Owns the sequence of one worker process (DESIGN §3): take a free slot or wait as a standby, recover
-the lane, LISTEN, drain the queue, and wait for a wake-up or the poll interval. Invariants:
+Owns the sequence of one worker process (DESIGN §3); the call and its timeouts belong to pglane.call,
+the slot session to pglane.slot. Its states, and where each one leads:
+
+    state            what happens                                              leads to
+    connecting       a session is opened (after a backoff, see below); an      standby; holding
+                     outcome still pending is written first
+    standby          every slot is held: wait for one to free                  holding; stopping
+    holding, idle    on taking the slot: recover, LISTEN, claim. With no job:  calling; stopping
+                     recover if due, else wait for a NOTIFY, the poll interval
+                     or the recovery timer; claim again
+    calling          the handler runs on the claimed job (pglane.call)         writing; exit 75
+    writing          the outcome goes through the guarded complete()/fail();   calling; idle; pending;
+                     on the fast path (no stop, no recovery due) fused with    stopping
+                     the next claim in one round trip (complete_and_claim)
+    pending outcome  the session died before the outcome was written: it is    connecting
+                     kept
+    stopping         SIGTERM/SIGINT, --max-jobs, --max-lifetime: the call in   exit 0; exit 69 (the
+                     progress ends, its outcome is written, the slot released  database unreachable,
+                                                                               an outcome pending)
+
+A database error or a lost session, in any state with a session, leads back to connecting: at once
+after a session that got a job done, else after a backoff (tenacity: 0.1 s doubling up to 5 s, so a
+repeated error is never spun on) that a stop request cuts short. Asked to stop, the worker makes one
+more attempt, to deliver a pending outcome, and gives up if that fails too.
+
+Invariants:
 - a claim commits before the handler runs, and runs on the slot session (the database refuses others);
 - every outcome is written through the guarded pglane.complete()/fail(), so a late or zombie write can
   never overwrite a newer attempt; an outcome that could not be written (the connection died) is kept
   as ``_pending`` and delivered first after reconnecting;
-- on SIGTERM/SIGINT, --max-jobs or --max-lifetime the worker finishes the current call, writes its
-  outcome, releases the slot and exits 0: a stop never cuts a call off. If the database is unreachable
-  then, it does not wait for it: it logs the statement that stores the outcome and exits 69;
-- a handler still running at the hard timeout (it ignored cancellation, or it is sync) gets its
-  attempt recorded timed_out and the process ends with EXIT_HUNG, because a thread cannot be killed;
+- a stop never cuts a call off: the worker finishes the current call, writes its outcome, releases the
+  slot and exits 0. If the database is unreachable then, it does not wait for it: it logs the statement
+  that stores the outcome and exits 69 (EXIT_UNSTORED);
+- a handler still running at the hard timeout gets its attempt recorded timed_out and the process ends
+  with 75 (EXIT_HUNG), because a thread cannot be killed (pglane.call);
 - no NOTIFY is dropped unanswered: one is forgotten only after a claim that found a job (another claim
   follows before any wait); one read during an empty claim may announce a job committed after that
   claim's snapshot, so it ends the next wait at once. A lost one would cost a poll interval.
@@ -27,19 +51,22 @@ import logging
 import os
 import signal
 import socket
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, LiteralString
 
 import psycopg
 from psycopg import sql
-from tenacity import AsyncRetrying, RetryError, retry_if_exception_type, wait_exponential
+from tenacity import AsyncRetrying, RetryCallState, RetryError, retry_if_exception_type, wait_exponential
 
-from . import handler as handlers
 from . import queries, timing
-from .errors import ConfigurationError, DatabaseUnavailable, UnknownLane
+from .call import EXIT_HUNG as EXIT_HUNG
+from .call import QUICK_CALL as QUICK_CALL
+from .call import Caller
+from .call import Watchdog as Watchdog
+from .errors import ConfigurationError, DatabaseUnavailable, NoSlotHeld, UnknownLane, first_line, translate
+from .errors import SlotLost as SlotLost
 from .handler import Handler, Outcome, Runner
 from .job import Job
 from .metrics import Metrics
@@ -48,10 +75,8 @@ from .slot import LockSession
 log = logging.getLogger("pglane.worker")
 
 EXIT_OK = 0
-EXIT_CONFIG = 2
-EXIT_HUNG = 75  # EX_TEMPFAIL: a handler outlived the hard timeout; restart the process
 EXIT_UNSTORED = 69  # EX_UNAVAILABLE: stopped while the database was unreachable, an outcome unwritten
-QUICK_CALL = 0.05  # calls shorter than this run without a connection watcher (saves a task per job)
+SESSION_ENDS = (psycopg.Error, NoSlotHeld, DatabaseUnavailable)  # what ends a session: back to connecting
 
 
 @dataclass(frozen=True)
@@ -74,49 +99,9 @@ class Lane:
     lease_timeout: float
 
 
-class SlotLost(Exception):
-    """The slot session no longer holds its slot: reconnect and take one again before claiming."""
-
-
-class Watchdog(threading.Thread):
-    """The last resort against a handler that blocks the event loop past the hard timeout: from its
-    own thread and its own connection it records the attempt timed_out, then ends the process.
-
-    Arming costs the event loop one attribute assignment per job (atomic under the GIL): the thread
-    is never signalled, it looks every TICK seconds, so a hung call is caught within GRACE + TICK
-    after its hard deadline (the event loop itself acts at the deadline when it can)."""
-
-    GRACE = 1.0
-    TICK = 0.25
-
-    def __init__(self, dsn: str) -> None:
-        super().__init__(name="pglane-watchdog", daemon=True)
-        self.dsn = dsn
-        self.armed: tuple[int, float] | None = None  # (attempt id, monotonic deadline); set by the loop only
-
-    def arm(self, attempt_id: int, deadline: float) -> None:
-        self.armed = (attempt_id, deadline)
-
-    def disarm(self) -> None:
-        self.armed = None
-
-    def run(self) -> None:
-        while True:
-            time.sleep(self.TICK)
-            armed = self.armed
-            if armed is not None and time.monotonic() > armed[1] + self.GRACE:
-                self._fire(armed[0])
-
-    def _fire(self, attempt_id: int) -> None:
-        log.error("attempt %s: the handler blocked the worker past its hard timeout; recording it "
-                  "timed_out and ending the process (exit %s)", attempt_id, EXIT_HUNG)
-        with contextlib.suppress(Exception), psycopg.connect(self.dsn, autocommit=True, connect_timeout=5) as conn:
-            conn.execute(queries.FAIL, (attempt_id, "timed out: the handler blocked past the worker's hard "
-                                        "timeout; the process was recycled", True))
-        os._exit(EXIT_HUNG)
-
-
 class Worker:
+    _caller: Caller  # makes the calls; made by main() once the lane's timeouts are known
+
     def __init__(self, dsn: str, lane: str, handler: Handler, options: WorkerOptions | None = None) -> None:
         self.dsn = dsn
         self.lane_name = lane
@@ -126,12 +111,11 @@ class Worker:
         self.jobs_run = 0
         self._stopping = asyncio.Event()
         self._pending: tuple[Job, Outcome] | None = None  # an outcome not yet written; see module doc
-        self._hard_timeout = 0.0
-        self._started = 0.0
+        self._started = 0.0  # time.monotonic(), as every timer of the worker
         self._next_recover = 0.0
-        self._watchdog = Watchdog(dsn)
+        self._last_try = False  # the current session began after a stop request: if it fails, give up
         self._metrics: Metrics | None = None
-        self._session: LockSession | None = None  # the session waiting idle, for stop() to interrupt
+        self._idle_session: LockSession | None = None  # the session waiting idle, for stop() to interrupt
 
     # ----- life cycle -----------------------------------------------------------------------
 
@@ -143,42 +127,28 @@ class Worker:
         if not self._stopping.is_set():
             log.info("%s: finishing the current job, then releasing the slot and exiting", reason)
             self._stopping.set()
-            if self._session is not None:
-                self._session.interrupt()
+            if self._idle_session is not None:
+                self._idle_session.interrupt()
 
     async def main(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(ValueError, RuntimeError):  # not the main thread
                 loop.add_signal_handler(sig, self.stop, f"{signal.Signals(sig).name} received")
-        self._started = loop.time()
+        self._started = time.monotonic()
         lane = self._load_lane()
-        self._hard_timeout = self.options.timeout or timing.default_worker_timeout(
-            lane.job_timeout, lane.lease_timeout)
-        rules = timing.Timeouts(job=lane.job_timeout, lease=lane.lease_timeout, worker=self._hard_timeout)
-        if broken := rules.violations():
+        hard_timeout = self.options.timeout or timing.default_worker_timeout(lane.job_timeout, lane.lease_timeout)
+        if broken := timing.Timeouts(job=lane.job_timeout, lease=lane.lease_timeout, worker=hard_timeout).violations():
             raise ConfigurationError(f"lane {lane.name}: " + "; ".join(broken))
-        self._watchdog.start()
         refresher = None
         if self.options.metrics_port is not None:
             self._metrics = Metrics(lane.name, self.options.metrics_port)
             refresher = asyncio.ensure_future(self._metrics.refresh_forever(self.dsn))
+        self._caller = Caller(self.runner, self.dsn, lane.job_timeout, hard_timeout, self._metrics)
         log.info("worker %s for lane %s (%s slot(s), job timeout %gs, hard timeout %gs, lease %gs)",
-                 self.name, lane.name, lane.slots, lane.job_timeout, self._hard_timeout, lane.lease_timeout)
-        failures, jobs_then = 0, 0  # sessions ended by a database error with no job done in between
+                 self.name, lane.name, lane.slots, lane.job_timeout, hard_timeout, lane.lease_timeout)
         try:
-            while not self._done() or self._pending is not None:
-                try:
-                    await self._serve(lane)
-                except (psycopg.OperationalError, SlotLost) as exc:
-                    log.warning("lost the slot session (%s); reconnecting", _first_line(exc))
-                except RetryError:
-                    break  # asked to stop while the database was unreachable
-                except psycopg.Error as exc:  # the database refused something: back off, never spin
-                    failures, jobs_then = (1 if self.jobs_run > jobs_then else failures + 1), self.jobs_run
-                    delay = min(5.0, 0.1 * 2**failures)
-                    log.error("database error (%s); reconnecting in %.1fs", _first_line(exc), delay)
-                    await asyncio.sleep(delay)
+            await self._serve_until_stopped(lane)
         finally:
             self.runner.shutdown()
             if refresher is not None:
@@ -202,13 +172,13 @@ class Worker:
         o = self.options
         if o.max_jobs is not None and self.jobs_run >= o.max_jobs:
             return True
-        return o.max_lifetime is not None and asyncio.get_running_loop().time() - self._started >= o.max_lifetime
+        return o.max_lifetime is not None and time.monotonic() - self._started >= o.max_lifetime
 
     def _load_lane(self) -> Lane:
         try:
             conn = psycopg.connect(self.dsn, autocommit=True)
         except psycopg.OperationalError as exc:
-            raise DatabaseUnavailable(f"cannot connect to the database ({_first_line(exc)}); check "
+            raise DatabaseUnavailable(f"cannot connect to the database ({first_line(exc)}); check "
                                       "--dsn / PGLANE_DSN") from None
         with conn:
             row = conn.execute(queries.LANES, {"name": self.lane_name}).fetchone()
@@ -216,161 +186,175 @@ class Worker:
             raise UnknownLane(f"unknown lane {self.lane_name!r}; create it with: pglane lane create {self.lane_name}")
         return Lane(*row[:5])
 
-    # ----- one session: connect, slot, listen, recover, drain ---------------------------------
+    # ----- sessions, one after another: connecting, with the backoff -------------------------
 
-    async def _connect(self, lane: Lane) -> LockSession:
-        async for attempt in AsyncRetrying(
-            wait=wait_exponential(multiplier=0.1, max=5.0),
-            stop=lambda _state: self._stopping.is_set(),
-            retry=retry_if_exception_type(psycopg.OperationalError),
-            before_sleep=lambda rs: log.warning(
-                "cannot reach the database (%s); retrying", _first_line(rs.outcome.exception()) if rs.outcome else ""),
-        ):
-            with attempt:
-                return LockSession.connect(self.dsn, lane.id, lane.slots, f"{lane.name} {self.name}")
-        raise AssertionError("unreachable")
+    async def _serve_until_stopped(self, lane: Lane) -> None:
+        """Sessions one after another until there is nothing left to do (module doc: connecting)."""
+        while self._work_left():
+            reconnecting = AsyncRetrying(  # begun afresh after a session that got a job done
+                retry=retry_if_exception_type(SESSION_ENDS), wait=wait_exponential(multiplier=0.1, max=5.0),
+                stop=self._give_up, sleep=self._nap, before_sleep=_log_retry)
+            try:
+                async for attempt in reconnecting:
+                    with attempt:
+                        await self._serve(lane)
+            except RetryError as exc:
+                _log_session_end(exc.last_attempt.exception(), "not reconnecting: the worker is stopping")
+                return
+
+    def _work_left(self) -> bool:
+        return not self._done() or self._pending is not None
+
+    def _give_up(self, _: RetryCallState) -> bool:
+        """After a failed session: it was the last try after a stop, or nothing is left to do."""
+        return self._last_try or not self._work_left()
+
+    async def _nap(self, seconds: float) -> None:
+        """The backoff's sleep: a stop request ends it at once."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
 
     async def _serve(self, lane: Lane) -> None:
-        session = await self._connect(lane)
+        """One session, until done. A database error ends it: raised for a backoff, unless the session
+        got a job done (then it returns, and the next session begins at once, its backoff afresh)."""
+        if not self._work_left():
+            return  # stopped during a backoff, with no outcome to deliver
+        self._last_try = self._stopping.is_set()
+        jobs = self.jobs_run
+        try:
+            await self._session(lane)
+        except SESSION_ENDS as exc:
+            if self.jobs_run == jobs:
+                raise
+            _log_session_end(exc, "reconnecting")
+
+    async def _session(self, lane: Lane) -> None:
+        """Connect, deliver a pending outcome, take a slot (or wait as a standby), recover, LISTEN, drain."""
+        try:
+            session = LockSession.connect(self.dsn, lane.id, lane.slots, f"{lane.name} {self.name}")
+        except psycopg.OperationalError as exc:
+            raise DatabaseUnavailable(first_line(exc)) from None
         try:
             if self._pending is not None:
-                job, outcome = self._pending
-                self._write(session, job, outcome)
-                self._pending = None
-            if self._done():
+                self._write(session, *self._pending)
+            if self._done() or not await self._take_slot(session, lane):
                 return
-            if not session.try_take():
-                log.info("standby: all %s slot(s) of lane %s are held; waiting to take over", lane.slots, lane.name)
-                if not await session.wait_take(self._stopping):
-                    return
-            log.info("holding slot %s of lane %s", session.slot, lane.name)
             if self._metrics is not None:
                 self._metrics.slot_held.set(1)
             session.listen()
             self._recover(session)
-            await self._drain(session, lane)
+            await self._drain(session)
         finally:
             if self._metrics is not None:
                 self._metrics.slot_held.set(0)
             session.release()
+
+    async def _take_slot(self, session: LockSession, lane: Lane) -> bool:
+        """Take a free slot, or wait as a standby until one frees; False if asked to stop first."""
+        if not session.try_take():
+            log.info("standby: all %s slot(s) of lane %s are held; waiting to take over", lane.slots, lane.name)
+            if not await session.wait_take(self._stopping):
+                return False
+        log.info("holding slot %s of lane %s", session.slot, lane.name)
+        return True
+
+    # ----- holding the slot: run the job held, else wait and claim ---------------------------
+
+    async def _drain(self, session: LockSession) -> None:
+        """Holding the slot, until done: run the job held, else wait and claim (module doc)."""
+        job = self._claim(session)
+        while job is not None or not self._done():
+            if job is not None:
+                outcome = await self._call(session, job)
+                self.jobs_run += 1
+                job = self._write_and_claim(session, job, outcome)
+            else:
+                job = await self._wait_and_claim(session)
+
+    def _call(self, session: LockSession, job: Job) -> Coroutine[Any, Any, Outcome]:
+        """Calling (pglane.call); a plain method handing on the call's coroutine, so it costs no second one."""
+        return self._caller.call(session, job)
+
+    async def _wait_and_claim(self, session: LockSession) -> Job | None:
+        """Idle: recover the lane if due (when idle, and between jobs of a long busy spell), else wait for
+        a wake-up; then claim. None once done."""
+        if self._recovery_due():
+            self._recover(session)
+        else:
+            await self._idle(session)
+            if self._done():
+                return None
+        job = self._claim(session)
+        if job is not None:
+            # Only now may the wake-up be forgotten: the loop claims again before it waits, so a NOTIFY
+            # read with this claim is answered by that one. After an empty claim, one read with it may be
+            # for a job committed after its snapshot: it stays, and ends the next wait.
+            session.forget_wakes()
+        return job
+
+    async def _idle(self, session: LockSession) -> None:
+        """Wait for a NOTIFY, the poll interval, the next recovery, the end of life, or a stop."""
+        now = time.monotonic()
+        timeout = min(self.options.poll_interval, max(0.0, self._next_recover - now))
+        if self.options.max_lifetime is not None:
+            timeout = min(timeout, max(0.0, self._started + self.options.max_lifetime - now))
+        if not self._stopping.is_set():
+            self._idle_session = session
+            try:
+                await session.wait_for_wake(timeout)
+            finally:
+                self._idle_session = None
+
+    def _recovery_due(self) -> bool:
+        return time.monotonic() >= self._next_recover
 
     def _recover(self, session: LockSession) -> None:
         row = session.conn.execute(queries.RECOVER, (self.lane_name,)).fetchone()
         if row and row["recover"]:
             log.warning("recovered %s attempt(s) of lane %s whose worker was gone (marked lost)",
                         row["recover"], self.lane_name)
-        self._next_recover = asyncio.get_running_loop().time() + self.options.recover_interval
+        self._next_recover = time.monotonic() + self.options.recover_interval
 
-    async def _drain(self, session: LockSession, lane: Lane) -> None:
-        loop = asyncio.get_running_loop()
-        job = self._claim(session)
-        while True:
-            if job is not None:
-                outcome = await self._call(session, job, lane)
-                self.jobs_run += 1
-                if self._done():
-                    self._write(session, job, outcome)
-                    return
-                if loop.time() < self._next_recover:
-                    job = self._write_and_claim(session, job, outcome)  # the fast path
-                    continue
-                self._write(session, job, outcome)
-            if self._done():
-                return
-            if loop.time() >= self._next_recover:  # when idle, and between jobs of a long busy spell
-                self._recover(session)
-                job = self._claim(session)
-                if job is not None:
-                    continue
-            await self._idle(session)
-            if self._done():
-                return
-            job = self._claim(session)
-            if job is not None:
-                # Only now may the wake-up be forgotten: the loop claims again before it waits, so a
-                # NOTIFY read with it is answered by that claim. After an empty claim, one read with
-                # it may be for a job committed after its snapshot: it stays, and ends the next wait.
-                session.forget_wakes()
-
-    async def _idle(self, session: LockSession) -> None:
-        """Wait for a NOTIFY, the poll interval, the next recovery, the end of life, or a stop."""
-        loop = asyncio.get_running_loop()
-        timeout = min(self.options.poll_interval, max(0.0, self._next_recover - loop.time()))
-        if self.options.max_lifetime is not None:
-            timeout = min(timeout, max(0.0, self._started + self.options.max_lifetime - loop.time()))
-        if not self._stopping.is_set():
-            self._session = session
-            try:
-                await session.wait_for_wake(timeout)
-            finally:
-                self._session = None
-
-    # ----- claim, call, write ---------------------------------------------------------------
+    # ----- claim and write ------------------------------------------------------------------
 
     def _claim(self, session: LockSession) -> Job | None:
+        return _job(self._claim_round_trip(session, queries.CLAIM, (self.lane_name, self.name)))
+
+    def _claim_round_trip(self, session: LockSession, query: LiteralString,
+                          params: tuple[Any, ...]) -> dict[str, Any] | None:
+        """Run a statement that claims (claim, or complete_and_claim); its row. The one place that times
+        a claim (the claim latency metric) and turns the database's refusal of a claim into SlotLost."""
         started = time.perf_counter()
         try:
-            cur = session.conn.execute(queries.CLAIM, (self.lane_name, self.name))
+            row = session.conn.execute(query, params).fetchone()
         except psycopg.Error as exc:
-            if exc.sqlstate == "PGL06":
-                raise SlotLost(_first_line(exc)) from None
+            if isinstance(translate(exc), NoSlotHeld):
+                raise SlotLost(first_line(exc)) from None
             raise
-        row = cur.fetchone()
         if self._metrics is not None:
             self._metrics.claim_latency.observe(time.perf_counter() - started)
+        return row
+
+    def _write_and_claim(self, session: LockSession, job: Job, outcome: Outcome) -> Job | None:
+        """Write the outcome and claim the next job: one round trip for a result (the fast path). Only
+        written, nothing claimed, when the worker is done or a recovery is due (it runs first)."""
+        if self._done() or self._recovery_due():
+            self._write(session, job, outcome)
+            return None
+        if outcome.result_json is None:
+            self._write(session, job, outcome)
+            return self._claim(session)
+        self._pending = (job, outcome)
+        try:
+            row = self._claim_round_trip(session, queries.COMPLETE_AND_CLAIM,
+                                         (job.attempt_id, outcome.result_json, self.lane_name, self.name))
+        except psycopg.DataError:
+            self._write(session, job, outcome)  # re-tried alone, then failed with the reason
+            return self._claim(session)
+        self._pending = None
+        assert row is not None
+        self._written(job, bool(row["completed"]), ok=True)
         return _job(row)
-
-    async def _call(self, session: LockSession, job: Job, lane: Lane) -> Outcome:
-        started = time.monotonic()
-        self._watchdog.arm(job.attempt_id, started + self._hard_timeout)
-        future, cancel = self.runner.start(job)  # an async handler that never suspends is done already
-        if future.done():
-            outcome: Outcome | None = handlers.outcome_of(future)
-        else:
-            outcome = await self._call_slow(session, job, lane, future, cancel, started)
-        self._watchdog.disarm()
-        if outcome is None:
-            self._write(session, job, _hung(self._hard_timeout))
-            self._recycle_hung(job)
-        if self._metrics is not None:
-            self._metrics.duration.observe(time.monotonic() - started)
-        if outcome.error is not None:
-            log.info("attempt %s of job %s %s: %s", job.attempt_id, job.id,
-                     "timed out" if outcome.timed_out else "failed", _first_line(RuntimeError(outcome.error)))
-        return outcome
-
-    async def _call_slow(self, session: LockSession, job: Job, lane: Lane, future: asyncio.Future[Any],
-                         cancel: Callable[[], object], started: float) -> Outcome | None:
-        """A call that did not finish at once: watch the slot session while it runs (calls shorter
-        than QUICK_CALL need no watcher), then enforce the job timeout and the hard timeout."""
-        lost: BaseException | None = None
-        done, _ = await asyncio.wait((future,), timeout=QUICK_CALL)
-        if not done:
-            watcher = asyncio.ensure_future(session.watch())
-            await asyncio.wait((future, watcher), timeout=max(0.0, started + lane.job_timeout - time.monotonic()),
-                               return_when=asyncio.FIRST_COMPLETED)
-            watcher.cancel()
-            (ended,) = await asyncio.gather(watcher, return_exceptions=True)
-            if isinstance(ended, psycopg.Error):
-                lost = ended
-                log.error("the slot session died during attempt %s (%s): no new claim until a slot is taken "
-                          "again; the call goes on and its result will be delivered", job.attempt_id,
-                          _first_line(ended))
-        outcome = await handlers.settle(future, cancel, lane.job_timeout, started + lane.job_timeout,
-                                        started + self._hard_timeout)
-        if lost is not None:
-            self._watchdog.disarm()
-            self._pending = (job, outcome if outcome is not None else _hung(self._hard_timeout))
-            if outcome is None:
-                self._recycle_hung(job)
-            raise SlotLost("the slot session died during a call")
-        return outcome
-
-    def _recycle_hung(self, job: Job) -> NoReturn:
-        log.error("attempt %s of job %s: the handler ignored cancellation past the hard timeout; recorded "
-                  "timed_out, recycling the process (exit %s)", job.attempt_id, job.id, EXIT_HUNG)
-        logging.shutdown()
-        os._exit(EXIT_HUNG)
 
     def _write(self, session: LockSession, job: Job, outcome: Outcome) -> None:
         """Write one outcome through the guarded functions; keeps it pending if the session dies."""
@@ -380,7 +364,7 @@ class Worker:
                 row = session.conn.execute(queries.COMPLETE, (job.attempt_id, outcome.result_json)).fetchone()
                 accepted = bool((row or {}).get("complete"))
             except psycopg.DataError as exc:
-                outcome = Outcome(error=f"the result could not be stored: {_first_line(exc)}")
+                outcome = Outcome(error=f"the result could not be stored: {first_line(exc)}")
                 self._pending = (job, outcome)
             else:
                 self._pending = None
@@ -389,30 +373,6 @@ class Worker:
         row = session.conn.execute(queries.FAIL, (job.attempt_id, outcome.error, outcome.timed_out)).fetchone()
         self._pending = None
         self._written(job, bool((row or {}).get("fail")), ok=False)
-
-    def _write_and_claim(self, session: LockSession, job: Job, outcome: Outcome) -> Job | None:
-        if outcome.result_json is None:
-            self._write(session, job, outcome)
-            return self._claim(session)
-        self._pending = (job, outcome)
-        started = time.perf_counter()
-        try:
-            cur = session.conn.execute(
-                queries.COMPLETE_AND_CLAIM, (job.attempt_id, outcome.result_json, self.lane_name, self.name))
-        except psycopg.DataError:
-            self._write(session, job, outcome)  # re-tried alone, then failed with the reason
-            return self._claim(session)
-        except psycopg.Error as exc:
-            if exc.sqlstate == "PGL06":
-                raise SlotLost(_first_line(exc)) from None
-            raise
-        self._pending = None
-        row = cur.fetchone()
-        if self._metrics is not None:
-            self._metrics.claim_latency.observe(time.perf_counter() - started)
-        assert row is not None
-        self._written(job, bool(row["completed"]), ok=True)
-        return _job(row)
 
     def _written(self, job: Job, accepted: bool, *, ok: bool) -> None:
         """An outcome reached the database: counted, if the guard accepted it, as what was written (a
@@ -435,9 +395,18 @@ def unstored_sql(job: Job, outcome: Outcome) -> str:
     return statement.as_string()
 
 
-def _hung(hard_timeout: float) -> Outcome:
-    return Outcome(error=f"timed out: the handler ignored cancellation past the worker's hard timeout of "
-                         f"{hard_timeout:g}s; the process was recycled", timed_out=True)
+def _log_retry(state: RetryCallState) -> None:
+    exc = state.outcome.exception() if state.outcome is not None else None
+    _log_session_end(exc, f"reconnecting in {state.upcoming_sleep:.1f}s")
+
+
+def _log_session_end(exc: BaseException | None, then: str) -> None:
+    if isinstance(exc, DatabaseUnavailable):
+        log.warning("cannot reach the database (%s); %s", first_line(exc), then)
+    elif isinstance(exc, psycopg.OperationalError | NoSlotHeld):
+        log.warning("lost the slot session (%s); %s", first_line(exc), then)
+    else:
+        log.error("database error (%s); %s", first_line(exc), then)
 
 
 def _job(row: dict[str, Any] | None) -> Job | None:
@@ -445,8 +414,3 @@ def _job(row: dict[str, Any] | None) -> Job | None:
         return None
     return Job(id=row["job_id"], lane=row["lane"], payload=row["payload"], attempt_id=row["attempt_id"],
                attempt_number=row["attempt_number"], seq=row["seq"], idempotency_key=row["idempotency_key"])
-
-
-def _first_line(exc: BaseException | None) -> str:
-    text = str(exc).strip() if exc is not None else ""
-    return text.splitlines()[0] if text else type(exc).__name__

@@ -4,8 +4,10 @@ graceful stop, handler failures, timeouts. Real `pglane worker` subprocesses, re
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -445,6 +447,24 @@ def test_a_database_error_makes_the_worker_back_off_and_go_on_not_die(conn: Any,
     job = pglane.enqueue(conn, lane, {})
     wait_until(lambda: status(conn, job) == "done", 30, "the worker to go on")
     assert proc.poll() is None
+
+
+def test_a_repeated_database_error_backs_off_up_to_5_s_and_a_stop_cuts_the_backoff_short(
+    conn: Any, lane: str, workers: Workers
+) -> None:
+    proc = workers.start(lane, "tests.handlers:paid_call", "--poll-interval", "0.2")
+    wait_idle(conn, lane)
+    conn.execute("ALTER FUNCTION pglane.claim(text, text) RENAME TO claim_away")
+    try:
+        wait_until(lambda: "reconnecting in 5.0s" in Workers.log(proc), 30, "the backoff to reach its bound")
+        delays = re.findall(r"database error .*; reconnecting in ([\d.]+)s", Workers.log(proc))
+        assert delays[:7] == ["0.1", "0.2", "0.4", "0.8", "1.6", "3.2", "5.0"]  # doubling, never a spin
+        stopped = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+        assert time.monotonic() - stopped < 4  # not the 5 s sleep out: the stop ended it
+    finally:
+        conn.execute("ALTER FUNCTION pglane.claim_away(text, text) RENAME TO claim")
 
 
 def test_the_logged_statement_for_an_unstored_failure_stores_its_text_exactly(conn: Any, lane: str) -> None:

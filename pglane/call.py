@@ -1,0 +1,149 @@
+"""One call as the worker makes it: the handler run on a claimed job under the lane's job timeout and
+the worker's hard timeout, with the slot session watched while it runs.
+
+Owns the worker's side of the call; pglane.handler owns the handler itself (loading it, running it,
+its ``Outcome``, ``settle()``). Invariants:
+- no call outlives the hard timeout: at the job timeout the handler is asked to stop (``settle()``);
+  one still running at the hard timeout (it ignored cancellation, or it is sync: a thread cannot be
+  killed) gets its attempt recorded timed_out and the process ends with EXIT_HUNG, for its supervisor
+  to restart it. The event loop does that at the deadline; the ``Watchdog``, from its own thread and
+  connection, does it for a handler that blocks the event loop itself;
+- a call still running after QUICK_CALL has the slot session watched, so that a session that dies
+  during it is noticed at once. The call goes on (it may have been paid for); when it ends, that
+  session is released, so nothing more runs on it: the worker's write of the outcome fails and the
+  outcome is kept pending for the next session. Shorter calls go unwatched: a watcher costs a task.
+How it breaks: a handler that holds the GIL without releasing it (a C extension) stops the watchdog
+as well; only the process manager's stop grace ends that process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import psycopg
+
+from . import queries
+from .errors import first_line
+from .handler import Outcome, Runner, outcome_of, settle
+from .job import Job
+from .metrics import Metrics
+from .slot import LockSession
+
+log = logging.getLogger("pglane.worker")
+
+EXIT_HUNG = 75  # EX_TEMPFAIL: a handler outlived the hard timeout; restart the process
+QUICK_CALL = 0.05  # calls shorter than this run without a session watcher (saves a task per job)
+
+
+class Watchdog(threading.Thread):
+    """The last resort against a handler that blocks the event loop past the hard timeout: from its
+    own thread and its own connection it records the attempt timed_out, then ends the process.
+
+    Arming costs the event loop one attribute assignment per job (atomic under the GIL): the thread
+    is never signalled, it looks every TICK seconds, so a hung call is caught within GRACE + TICK
+    after its hard deadline (the event loop itself acts at the deadline when it can)."""
+
+    GRACE = 1.0
+    TICK = 0.25
+
+    def __init__(self, dsn: str) -> None:
+        super().__init__(name="pglane-watchdog", daemon=True)
+        self.dsn = dsn
+        self.armed: tuple[int, float] | None = None  # (attempt id, monotonic deadline); set by the loop only
+
+    def arm(self, attempt_id: int, deadline: float) -> None:
+        self.armed = (attempt_id, deadline)
+
+    def disarm(self) -> None:
+        self.armed = None
+
+    def run(self) -> None:
+        while True:
+            time.sleep(self.TICK)
+            armed = self.armed
+            if armed is not None and time.monotonic() > armed[1] + self.GRACE:
+                self._fire(armed[0])
+
+    def _fire(self, attempt_id: int) -> None:
+        log.error("attempt %s: the handler blocked the worker past its hard timeout; recording it "
+                  "timed_out and ending the process (exit %s)", attempt_id, EXIT_HUNG)
+        with contextlib.suppress(Exception), psycopg.connect(self.dsn, autocommit=True, connect_timeout=5) as conn:
+            conn.execute(queries.FAIL, (attempt_id, "timed out: the handler blocked past the worker's hard "
+                                        "timeout; the process was recycled", True))
+        os._exit(EXIT_HUNG)
+
+
+class Caller:
+    """Makes a worker's calls, one at a time. Its watchdog thread starts with it and lives as long as
+    the process."""
+
+    def __init__(self, runner: Runner, dsn: str, job_timeout: float, hard_timeout: float,
+                 metrics: Metrics | None = None) -> None:
+        self.runner = runner
+        self.job_timeout = job_timeout
+        self.hard_timeout = hard_timeout
+        self.metrics = metrics
+        self.watchdog = Watchdog(dsn)
+        self.watchdog.start()
+
+    async def call(self, session: LockSession, job: Job) -> Outcome:
+        """Run the handler on ``job``; its outcome. Never returns for a handler that outlives the hard
+        timeout: the process ends (EXIT_HUNG)."""
+        started = time.monotonic()
+        self.watchdog.arm(job.attempt_id, started + self.hard_timeout)
+        future, cancel = self.runner.start(job)  # an async handler that never suspends is done already
+        if future.done():
+            outcome: Outcome | None = outcome_of(future)
+        else:
+            outcome = await self._call_slow(session, job, future, cancel, started)
+        self.watchdog.disarm()
+        if outcome is None:
+            self._recycle(session, job)
+        if self.metrics is not None:
+            self.metrics.duration.observe(time.monotonic() - started)
+        if outcome.error is not None:
+            log.info("attempt %s of job %s %s: %s", job.attempt_id, job.id,
+                     "timed out" if outcome.timed_out else "failed", outcome.error.partition("\n")[0])
+        return outcome
+
+    async def _call_slow(self, session: LockSession, job: Job, future: asyncio.Future[Any],
+                         cancel: Callable[[], object], started: float) -> Outcome | None:
+        """A call that did not finish at once: past QUICK_CALL, watch the slot session until the job
+        deadline, then settle the call under both timeouts (None: it outlived the hard one)."""
+        lost = False
+        done, _ = await asyncio.wait((future,), timeout=QUICK_CALL)
+        if not done:
+            watcher = asyncio.ensure_future(session.watch())
+            await asyncio.wait((future, watcher), timeout=max(0.0, started + self.job_timeout - time.monotonic()),
+                               return_when=asyncio.FIRST_COMPLETED)
+            watcher.cancel()
+            (ended,) = await asyncio.gather(watcher, return_exceptions=True)
+            if isinstance(ended, psycopg.Error):
+                lost = True
+                log.error("the slot session died during attempt %s (%s): no new claim until a slot is taken "
+                          "again; the call goes on and its result will be delivered", job.attempt_id,
+                          first_line(ended))
+        outcome = await settle(future, cancel, self.job_timeout, started + self.job_timeout,
+                               started + self.hard_timeout)
+        if lost:
+            session.release()  # nothing more runs on it: the outcome's write fails and is kept pending
+        return outcome
+
+    def _recycle(self, session: LockSession, job: Job) -> NoReturn:
+        """The handler outlived the hard timeout: record its attempt timed_out (if the session is gone,
+        recovery marks it lost instead) and end the process, the only way to stop a thread."""
+        reason = (f"timed out: the handler ignored cancellation past the worker's hard timeout of "
+                  f"{self.hard_timeout:g}s; the process was recycled")
+        with contextlib.suppress(psycopg.Error):
+            session.conn.execute(queries.FAIL, (job.attempt_id, reason, True))
+        log.error("attempt %s of job %s: the handler ignored cancellation past the hard timeout; recorded "
+                  "timed_out, recycling the process (exit %s)", job.attempt_id, job.id, EXIT_HUNG)
+        logging.shutdown()
+        os._exit(EXIT_HUNG)
