@@ -109,9 +109,8 @@ def _profile_summary(path: Path, jobs: int) -> list[str]:
     ranked = sorted(groups.items(), key=lambda x: -x[1])
     lines += [f"  {g:<22} {t / jobs * 1e6:7.1f} µs/job own time" for g, t in ranked]
     lines.append("  per job: calls (coroutine resumptions count as calls) and cumulative time")
-    wanted = ("_call", "call", "_call_slow", "_write_and_claim", "arm", "disarm", "start", "outcome_of", "ensure_future",
-              "create_task", "wait",
-              "call_later", "_run_once", "execute")
+    wanted = ("_call", "call", "_call_slow", "_write_and_claim", "arm", "disarm", "start", "outcome_of",
+              "ensure_future", "create_task", "wait", "call_later", "_run_once", "execute")
     for (filename, _line, func), entry in sorted(raw.items(), key=lambda kv: -kv[1][3]):
         if func in wanted and entry[1] >= jobs:
             where = Path(filename).name
