@@ -23,6 +23,7 @@ from typing import Any
 
 from bench.procs import stamp as _stamp
 from pglane import Job
+from pglane.job import Claim
 
 
 async def noop(job: Job) -> None:
@@ -51,8 +52,8 @@ def _experiment(name: str) -> None:
     from pglane import handler as handlers
     from pglane import worker
 
-    async def lean_call(self: worker.Worker, session: Any, job: Job) -> handlers.Outcome:
-        return handlers.encode(await self.runner.handler(job))
+    async def lean_call(self: worker.Worker, session: Any, claim: Claim) -> handlers.Outcome:
+        return handlers.encode(await self.runner.handler(claim.job))
 
     if name == "lean-call":
         worker.Worker._call = lean_call  # type: ignore[method-assign]

@@ -32,7 +32,7 @@ import psycopg
 from . import queries
 from .errors import first_line
 from .handler import Outcome, Runner, outcome_of, settle
-from .job import Job
+from .job import Claim, Job
 from .metrics import Metrics
 from .slot import LockSession
 
@@ -56,10 +56,10 @@ class Watchdog(threading.Thread):
     def __init__(self, dsn: str) -> None:
         super().__init__(name="pglane-watchdog", daemon=True)
         self.dsn = dsn
-        self.armed: tuple[int, float] | None = None  # (attempt id, monotonic deadline); set by the loop only
+        self.armed: tuple[Claim, float] | None = None  # (the claim, monotonic deadline); set by the loop only
 
-    def arm(self, attempt_id: int, deadline: float) -> None:
-        self.armed = (attempt_id, deadline)
+    def arm(self, claim: Claim, deadline: float) -> None:
+        self.armed = (claim, deadline)
 
     def disarm(self) -> None:
         self.armed = None
@@ -71,12 +71,12 @@ class Watchdog(threading.Thread):
             if armed is not None and time.monotonic() > armed[1] + self.GRACE:
                 self._fire(armed[0])
 
-    def _fire(self, attempt_id: int) -> None:
+    def _fire(self, claim: Claim) -> None:
         log.error("attempt %s: the handler blocked the worker past its hard timeout; recording it "
-                  "timed_out and ending the process (exit %s)", attempt_id, EXIT_HUNG)
+                  "timed_out and ending the process (exit %s)", claim.job.attempt_id, EXIT_HUNG)
         with contextlib.suppress(Exception), psycopg.connect(self.dsn, autocommit=True, connect_timeout=5) as conn:
-            conn.execute(queries.FAIL, (attempt_id, "timed out: the handler blocked past the worker's hard "
-                                        "timeout; the process was recycled", True))
+            conn.execute(queries.FAIL, (claim.job.attempt_id, "timed out: the handler blocked past the worker's "
+                                        "hard timeout; the process was recycled", True, claim.token))
         os._exit(EXIT_HUNG)
 
 
@@ -85,19 +85,25 @@ class Caller:
     the process."""
 
     def __init__(self, runner: Runner, dsn: str, job_timeout: float, hard_timeout: float,
-                 metrics: Metrics | None = None) -> None:
+                 max_result_bytes: int, metrics: Metrics | None = None) -> None:
         self.runner = runner
         self.job_timeout = job_timeout
         self.hard_timeout = hard_timeout
+        self.max_result_bytes = max_result_bytes
         self.metrics = metrics
         self.watchdog = Watchdog(dsn)
         self.watchdog.start()
 
-    async def call(self, session: LockSession, job: Job) -> Outcome:
-        """Run the handler on ``job``; its outcome. Never returns for a handler that outlives the hard
-        timeout: the process ends (EXIT_HUNG)."""
+    async def call(self, session: LockSession, claim: Claim) -> Outcome:
+        """Run the handler on the claimed job; its outcome. A payload that could not be decoded fails
+        without a call; a result over the lane's max_result_bytes fails without being sent. Never
+        returns for a handler that outlives the hard timeout: the process ends (EXIT_HUNG)."""
+        job = claim.job
+        if claim.undecodable is not None:
+            return _logged(job, Outcome(error=f"payload cannot be decoded ({claim.undecodable}); the handler was "
+                                              "not called, so nothing was paid"))
         started = time.monotonic()
-        self.watchdog.arm(job.attempt_id, started + self.hard_timeout)
+        self.watchdog.arm(claim, started + self.hard_timeout)
         future, cancel = self.runner.start(job)  # an async handler that never suspends is done already
         if future.done():
             outcome: Outcome | None = outcome_of(future)
@@ -105,13 +111,15 @@ class Caller:
             outcome = await self._call_slow(session, job, future, cancel, started)
         self.watchdog.disarm()
         if outcome is None:
-            self._recycle(session, job)
+            self._recycle(session, claim)
         if self.metrics is not None:
             self.metrics.duration.observe(time.monotonic() - started)
-        if outcome.error is not None:
-            log.info("attempt %s of job %s %s: %s", job.attempt_id, job.id,
-                     "timed out" if outcome.timed_out else "failed", outcome.error.partition("\n")[0])
-        return outcome
+        # JSON as json.dumps writes it is ASCII: its length in characters is its size in bytes.
+        if outcome.result_json is not None and len(outcome.result_json) > self.max_result_bytes:
+            outcome = Outcome(error=f"the handler's result of {len(outcome.result_json)} bytes exceeds the lane's "
+                                    f"max_result_bytes of {self.max_result_bytes}; it was not stored (the call itself "
+                                    "completed): store large outputs elsewhere and return a reference")
+        return outcome if outcome.error is None else _logged(job, outcome)
 
     async def _call_slow(self, session: LockSession, job: Job, future: asyncio.Future[Any],
                          cancel: Callable[[], object], started: float) -> Outcome | None:
@@ -136,14 +144,22 @@ class Caller:
             session.release()  # nothing more runs on it: the outcome's write fails and is kept pending
         return outcome
 
-    def _recycle(self, session: LockSession, job: Job) -> NoReturn:
+    def _recycle(self, session: LockSession, claim: Claim) -> NoReturn:
         """The handler outlived the hard timeout: record its attempt timed_out (if the session is gone,
         recovery marks it lost instead) and end the process, the only way to stop a thread."""
         reason = (f"timed out: the handler ignored cancellation past the worker's hard timeout of "
                   f"{self.hard_timeout:g}s; the process was recycled")
         with contextlib.suppress(psycopg.Error):
-            session.conn.execute(queries.FAIL, (job.attempt_id, reason, True))
+            session.conn.execute(queries.FAIL, (claim.job.attempt_id, reason, True, claim.token))
         log.error("attempt %s of job %s: the handler ignored cancellation past the hard timeout; recorded "
-                  "timed_out, recycling the process (exit %s)", job.attempt_id, job.id, EXIT_HUNG)
+                  "timed_out, recycling the process (exit %s)", claim.job.attempt_id, claim.job.id, EXIT_HUNG)
         logging.shutdown()
         os._exit(EXIT_HUNG)
+
+
+def _logged(job: Job, outcome: Outcome) -> Outcome:
+    """A failed outcome, logged in one line."""
+    assert outcome.error is not None
+    log.info("attempt %s of job %s %s: %s", job.attempt_id, job.id, "timed out" if outcome.timed_out else "failed",
+             outcome.error.partition("\n")[0])
+    return outcome

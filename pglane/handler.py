@@ -46,18 +46,30 @@ def load(spec: str) -> Handler:
     return target  # type: ignore[no-any-return]
 
 
+# The longest error kept: its head and its tail, as pglane.bounded_error() keeps them in the database
+# (an error is sent whole only up to this size, so a 50 MB exception costs no 50 MB round trip).
+ERROR_HEAD = ERROR_TAIL = 32768
+
+
+def bounded_error(text: str) -> str:
+    """``text`` kept to its first and last 32 kB, with how much was cut between them."""
+    if len(text) <= ERROR_HEAD + ERROR_TAIL:
+        return text
+    return f"{text[:ERROR_HEAD]}\n[... {len(text) - ERROR_HEAD - ERROR_TAIL} characters cut ...]\n{text[-ERROR_TAIL:]}"
+
+
 @dataclass(frozen=True)
 class Outcome:
     """What became of one call: ``result_json`` when it succeeded, else ``error`` (and ``timed_out``).
-    ``error`` never holds a NUL character, which PostgreSQL text cannot store."""
+    ``error`` never holds a NUL character, which PostgreSQL text cannot store, and is bounded in size."""
 
     result_json: str | None = None
     error: str | None = None
     timed_out: bool = False
 
     def __post_init__(self) -> None:
-        if self.error is not None and "\x00" in self.error:
-            object.__setattr__(self, "error", self.error.replace("\x00", "\\x00"))
+        if self.error is not None:
+            object.__setattr__(self, "error", bounded_error(self.error.replace("\x00", "\\x00")))
 
 
 def _describe(exc: BaseException) -> str:
@@ -66,12 +78,14 @@ def _describe(exc: BaseException) -> str:
 
 
 def encode(value: Any) -> Outcome:
+    """A handler's return value as the outcome to store: its JSON, or the reason it has none (a
+    RecursionError for nesting too deep to encode included): never an exception."""
     try:
         return Outcome(result_json=json.dumps(value, allow_nan=False))
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         return Outcome(
-            error=f"handler returned a result that is not JSON-serialisable ({type(value).__name__}: {exc});"
-            " the call itself completed"
+            error=f"handler returned a result that is not JSON-serialisable ({type(value).__name__}: "
+            f"{type(exc).__name__}: {str(exc)[:500]}); the call itself completed"
         )
 
 

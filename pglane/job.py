@@ -1,4 +1,4 @@
-"""The job a handler receives, and the states jobs and attempts move through.
+"""The job a handler receives, the claim a worker holds, and the states jobs and attempts move through.
 
 Job states (pglane.jobs.status, CHECK job_status_valid):
 
@@ -14,6 +14,7 @@ done when its late result arrives and no newer attempt exists.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,3 +36,31 @@ class Job:
     attempt_number: int
     seq: int
     idempotency_key: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """What a worker holds of a job it claimed: the ``job`` its handler gets, and what the handler
+    never sees: the attempt's ``token`` (the proof complete() and fail() ask of any session but the
+    claiming one) and, when the payload could not be decoded, ``undecodable``: why (the handler is
+    then not called at all)."""
+
+    job: Job
+    token: str
+    undecodable: str | None = None
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any] | None) -> Claim | None:
+        """The claim in a row of pglane.claimed (payload and token as text); None when it holds no job.
+        Decoding the payload here, not in the driver, is what lets a payload no decoder accepts (nested
+        too deep, a number too long) fail its attempt instead of the worker."""
+        if row is None or row["job_id"] is None:
+            return None
+        undecodable = None
+        try:
+            payload = json.loads(row["payload"])
+        except (ValueError, RecursionError) as exc:
+            payload, undecodable = None, f"{type(exc).__name__}: {str(exc)[:200]}"
+        job = Job(id=row["job_id"], lane=row["lane"], payload=payload, attempt_id=row["attempt_id"],
+                  attempt_number=row["attempt_number"], seq=row["seq"], idempotency_key=row["idempotency_key"])
+        return cls(job, row["token"], undecodable)

@@ -28,6 +28,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
+from psycopg.types.string import TextLoader
 
 from . import queries
 
@@ -60,6 +61,10 @@ class LockSession:
         conn = psycopg.Connection.connect(
             dsn, autocommit=True, row_factory=dict_row, application_name=f"pglane {name}"[:63], **KEEPALIVES
         )
+        # A claim's payload and token arrive as text: the worker decodes the payload itself, so that one
+        # no decoder accepts fails its attempt rather than the fetch (pglane.job.Claim.from_row).
+        for type_name in ("jsonb", "uuid"):
+            conn.adapters.register_loader(type_name, TextLoader)
         return cls(conn, lane_id, slots)
 
     def try_take(self) -> bool:

@@ -68,7 +68,7 @@ from .call import Watchdog as Watchdog
 from .errors import ConfigurationError, DatabaseUnavailable, NoSlotHeld, UnknownLane, first_line, translate
 from .errors import SlotLost as SlotLost
 from .handler import Handler, Outcome, Runner
-from .job import Job
+from .job import Claim
 from .metrics import Metrics
 from .slot import LockSession
 
@@ -77,6 +77,7 @@ log = logging.getLogger("pglane.worker")
 EXIT_OK = 0
 EXIT_UNSTORED = 69  # EX_UNAVAILABLE: stopped while the database was unreachable, an outcome unwritten
 SESSION_ENDS = (psycopg.Error, NoSlotHeld, DatabaseUnavailable)  # what ends a session: back to connecting
+EMPTY_CLAIM_GAP = 0.02  # at most 50 claims a second that find nothing, however many wake-ups come
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ class Lane:
     slots: int
     job_timeout: float
     lease_timeout: float
+    max_result_bytes: int
 
 
 class Worker:
@@ -110,7 +112,8 @@ class Worker:
         self.runner = Runner(handler)
         self.jobs_run = 0
         self._stopping = asyncio.Event()
-        self._pending: tuple[Job, Outcome] | None = None  # an outcome not yet written; see module doc
+        self._pending: tuple[Claim, Outcome] | None = None  # an outcome not yet written; see module doc
+        self._empty_claimed = 0.0  # when a claim last found nothing (time.monotonic())
         self._started = 0.0  # time.monotonic(), as every timer of the worker
         self._next_recover = 0.0
         self._last_try = False  # the current session began after a stop request: if it fails, give up
@@ -144,7 +147,8 @@ class Worker:
         if self.options.metrics_port is not None:
             self._metrics = Metrics(lane.name, self.options.metrics_port)
             refresher = asyncio.ensure_future(self._metrics.refresh_forever(self.dsn))
-        self._caller = Caller(self.runner, self.dsn, lane.job_timeout, hard_timeout, self._metrics)
+        self._caller = Caller(self.runner, self.dsn, lane.job_timeout, hard_timeout, lane.max_result_bytes,
+                              self._metrics)
         log.info("worker %s for lane %s (%s slot(s), job timeout %gs, hard timeout %gs, lease %gs)",
                  self.name, lane.name, lane.slots, lane.job_timeout, hard_timeout, lane.lease_timeout)
         try:
@@ -158,10 +162,10 @@ class Worker:
                 self._metrics.close()
         log.info("worker %s stopped after %s job(s)", self.name, self.jobs_run)
         if self._pending is not None:
-            job, outcome = self._pending
-            log.error("stopped while the database was unreachable: the outcome of attempt %s of job %s is not "
-                      "stored; recovery will mark the attempt lost, and then this statement stores it as a late "
-                      "result: %s", job.attempt_id, job.id, unstored_sql(job, outcome))
+            claim, outcome = self._pending
+            log.error("stopped before the database took the outcome of attempt %s of job %s: it is not stored; "
+                      "recovery will mark the attempt lost, and then this statement stores it as a late result: %s",
+                      claim.job.attempt_id, claim.job.id, unstored_sql(claim, outcome))
             return EXIT_UNSTORED
         return EXIT_OK
 
@@ -184,7 +188,8 @@ class Worker:
             row = conn.execute(queries.LANES, {"name": self.lane_name}).fetchone()
         if row is None:
             raise UnknownLane(f"unknown lane {self.lane_name!r}; create it with: pglane lane create {self.lane_name}")
-        return Lane(*row[:5])
+        lane_id, name, slots, job_timeout, lease_timeout, _, _, max_result_bytes = row
+        return Lane(lane_id, name, slots, job_timeout, lease_timeout, max_result_bytes)
 
     # ----- sessions, one after another: connecting, with the backoff -------------------------
 
@@ -262,35 +267,38 @@ class Worker:
 
     async def _drain(self, session: LockSession) -> None:
         """Holding the slot, until done: run the job held, else wait and claim (module doc)."""
-        job = self._claim(session)
-        while job is not None or not self._done():
-            if job is not None:
-                outcome = await self._call(session, job)
+        claim = self._claim(session)
+        while claim is not None or not self._done():
+            if claim is not None:
+                outcome = await self._call(session, claim)
                 self.jobs_run += 1
-                job = self._write_and_claim(session, job, outcome)
+                claim = self._write_and_claim(session, claim, outcome)
             else:
-                job = await self._wait_and_claim(session)
+                claim = await self._wait_and_claim(session)
 
-    def _call(self, session: LockSession, job: Job) -> Coroutine[Any, Any, Outcome]:
+    def _call(self, session: LockSession, claim: Claim) -> Coroutine[Any, Any, Outcome]:
         """Calling (pglane.call); a plain method handing on the call's coroutine, so it costs no second one."""
-        return self._caller.call(session, job)
+        return self._caller.call(session, claim)
 
-    async def _wait_and_claim(self, session: LockSession) -> Job | None:
+    async def _wait_and_claim(self, session: LockSession) -> Claim | None:
         """Idle: recover the lane if due (when idle, and between jobs of a long busy spell), else wait for
-        a wake-up; then claim. None once done."""
+        a wake-up; then claim. None once done. Claims that find nothing are at most one per
+        EMPTY_CLAIM_GAP: a flood of NOTIFYs (any session may send them) costs that many claims, no more."""
         if self._recovery_due():
             self._recover(session)
         else:
             await self._idle(session)
             if self._done():
                 return None
-        job = self._claim(session)
-        if job is not None:
+            if (gap := self._empty_claimed + EMPTY_CLAIM_GAP - time.monotonic()) > 0:
+                await self._nap(gap)
+        claim = self._claim(session)
+        if claim is not None:
             # Only now may the wake-up be forgotten: the loop claims again before it waits, so a NOTIFY
             # read with this claim is answered by that one. After an empty claim, one read with it may be
             # for a job committed after its snapshot: it stays, and ends the next wait.
             session.forget_wakes()
-        return job
+        return claim
 
     async def _idle(self, session: LockSession) -> None:
         """Wait for a NOTIFY, the poll interval, the next recovery, the end of life, or a stop."""
@@ -317,8 +325,11 @@ class Worker:
 
     # ----- claim and write ------------------------------------------------------------------
 
-    def _claim(self, session: LockSession) -> Job | None:
-        return _job(self._claim_round_trip(session, queries.CLAIM, (self.lane_name, self.name)))
+    def _claim(self, session: LockSession) -> Claim | None:
+        claim = Claim.from_row(self._claim_round_trip(session, queries.CLAIM, (self.lane_name, self.name)))
+        if claim is None:
+            self._empty_claimed = time.monotonic()
+        return claim
 
     def _claim_round_trip(self, session: LockSession, query: LiteralString,
                           params: tuple[Any, ...]) -> dict[str, Any] | None:
@@ -335,64 +346,83 @@ class Worker:
             self._metrics.claim_latency.observe(time.perf_counter() - started)
         return row
 
-    def _write_and_claim(self, session: LockSession, job: Job, outcome: Outcome) -> Job | None:
+    def _write_and_claim(self, session: LockSession, claim: Claim, outcome: Outcome) -> Claim | None:
         """Write the outcome and claim the next job: one round trip for a result (the fast path). Only
         written, nothing claimed, when the worker is done or a recovery is due (it runs first)."""
         if self._done() or self._recovery_due():
-            self._write(session, job, outcome)
+            self._write(session, claim, outcome)
             return None
         if outcome.result_json is None:
-            self._write(session, job, outcome)
+            self._write(session, claim, outcome)
             return self._claim(session)
-        self._pending = (job, outcome)
+        self._pending = (claim, outcome)
         try:
             row = self._claim_round_trip(session, queries.COMPLETE_AND_CLAIM,
-                                         (job.attempt_id, outcome.result_json, self.lane_name, self.name))
-        except psycopg.DataError:
-            self._write(session, job, outcome)  # re-tried alone, then failed with the reason
+                                         (claim.job.attempt_id, outcome.result_json, self.lane_name, self.name,
+                                          claim.token))
+        except psycopg.Error as exc:
+            if _session_lost(session, exc):
+                raise
+            self._write(session, claim, outcome)  # alone: the database refused the result, or the claim
             return self._claim(session)
         self._pending = None
         assert row is not None
-        self._written(job, bool(row["completed"]), ok=True)
-        return _job(row)
+        self._written(claim, bool(row["completed"]), ok=True)
+        next_claim = Claim.from_row(row)
+        if next_claim is None:
+            self._empty_claimed = time.monotonic()
+        return next_claim
 
-    def _write(self, session: LockSession, job: Job, outcome: Outcome) -> None:
-        """Write one outcome through the guarded functions; keeps it pending if the session dies."""
-        self._pending = (job, outcome)
+    def _write(self, session: LockSession, claim: Claim, outcome: Outcome) -> None:
+        """Write one outcome through the guarded functions. A result the database refuses (too large,
+        not storable, anything but a lost session) fails the attempt with the reason instead; an outcome
+        that could not be written because the session is gone stays pending for the next session."""
+        self._pending = (claim, outcome)
+        attempt, token = claim.job.attempt_id, claim.token
         if outcome.result_json is not None:
             try:
-                row = session.conn.execute(queries.COMPLETE, (job.attempt_id, outcome.result_json)).fetchone()
-                accepted = bool((row or {}).get("complete"))
-            except psycopg.DataError as exc:
-                outcome = Outcome(error=f"the result could not be stored: {first_line(exc)}")
-                self._pending = (job, outcome)
+                row = session.conn.execute(queries.COMPLETE, (attempt, outcome.result_json, token)).fetchone()
+            except psycopg.Error as exc:
+                if _session_lost(session, exc):
+                    raise
+                outcome = Outcome(error=f"the result could not be stored: {first_line(exc)} (SQLSTATE "
+                                        f"{exc.sqlstate}; the call itself completed)")
+                self._pending = (claim, outcome)
             else:
                 self._pending = None
-                self._written(job, accepted, ok=True)
+                self._written(claim, bool((row or {}).get("complete")), ok=True)
                 return
-        row = session.conn.execute(queries.FAIL, (job.attempt_id, outcome.error, outcome.timed_out)).fetchone()
+        row = session.conn.execute(queries.FAIL, (attempt, outcome.error, outcome.timed_out, token)).fetchone()
         self._pending = None
-        self._written(job, bool((row or {}).get("fail")), ok=False)
+        self._written(claim, bool((row or {}).get("fail")), ok=False)
 
-    def _written(self, job: Job, accepted: bool, *, ok: bool) -> None:
+    def _written(self, claim: Claim, accepted: bool, *, ok: bool) -> None:
         """An outcome reached the database: counted, if the guard accepted it, as what was written (a
         result the database could not store was written as a failure); logged if the guard refused it."""
         if self._metrics is not None and accepted:
             (self._metrics.done if ok else self._metrics.failed).inc()
         if not accepted:
             log.warning("outcome of attempt %s of job %s refused: a newer attempt exists or the job was "
-                        "finished elsewhere; nothing was overwritten", job.attempt_id, job.id)
+                        "finished elsewhere; nothing was overwritten", claim.job.attempt_id, claim.job.id)
 
 
-def unstored_sql(job: Job, outcome: Outcome) -> str:
-    """The statement an operator runs to store an outcome the worker could not write. Only ever logged,
-    never executed by pglane; psycopg quotes the values as SQL literals."""
+def unstored_sql(claim: Claim, outcome: Outcome) -> str:
+    """The statement an operator runs to store an outcome the worker could not write (it carries the
+    attempt's token). Only ever logged, never executed by pglane; psycopg quotes the values as literals."""
+    attempt, token = claim.job.attempt_id, claim.token
     if outcome.result_json is not None:
-        statement = sql.SQL("SELECT pglane.complete({}, {}::jsonb)").format(job.attempt_id, outcome.result_json)
+        statement = sql.SQL("SELECT pglane.complete({}, {}::jsonb, {}::uuid)").format(attempt, outcome.result_json,
+                                                                                     token)
     else:
-        statement = sql.SQL("SELECT pglane.fail({}, {}, {})").format(job.attempt_id, outcome.error or "",
-                                                                       outcome.timed_out)
+        statement = sql.SQL("SELECT pglane.fail({}, {}, {}, {}::uuid)").format(attempt, outcome.error or "",
+                                                                             outcome.timed_out, token)
     return statement.as_string()
+
+
+def _session_lost(session: LockSession, exc: psycopg.Error) -> bool:
+    """Whether an error means the session is gone (closed, a connection error, the server ending it),
+    rather than the database refusing a statement on a session that lives on."""
+    return session.conn.closed or (exc.sqlstate or "08").startswith(("08", "57P"))
 
 
 def _log_retry(state: RetryCallState) -> None:
@@ -409,8 +439,3 @@ def _log_session_end(exc: BaseException | None, then: str) -> None:
         log.error("database error (%s); %s", first_line(exc), then)
 
 
-def _job(row: dict[str, Any] | None) -> Job | None:
-    if row is None or row["job_id"] is None:
-        return None
-    return Job(id=row["job_id"], lane=row["lane"], payload=row["payload"], attempt_id=row["attempt_id"],
-               attempt_number=row["attempt_number"], seq=row["seq"], idempotency_key=row["idempotency_key"])

@@ -94,3 +94,24 @@ def echo(job: Job) -> Any:
 
 
 NOT_CALLABLE = {"a": "dict"}  # a handler spec naming this is refused: not callable
+
+
+def hostile(job: Job) -> Any:
+    """Records its call, then answers as the payload asks: {"nest": n} a list nested n deep,
+    {"chars": n} a string of n characters, {"raise_chars": n} raises an error of n characters,
+    {"raise": text} raises it, else {"result": value} that value (anything the payload holds)."""
+    _record("start", job)
+    payload = job.payload if isinstance(job.payload, dict) else {}
+    if "raise" in payload:
+        raise ValueError(str(payload["raise"]))
+    if "raise_chars" in payload:
+        raise ValueError("x" * int(payload["raise_chars"]) + " the real cause")
+    _record("end", job)
+    if "nest" in payload:
+        value: Any = []
+        for _ in range(int(payload["nest"])):
+            value = [value]
+        return value
+    if "chars" in payload:
+        return "y" * int(payload["chars"])
+    return payload.get("result")

@@ -14,11 +14,10 @@ from typing import Any
 import pytest
 
 import pglane
-from pglane.job import Job
+from pglane.job import Claim
 from pglane.slot import LockSession
 from pglane.worker import Worker, WorkerOptions
-from tests.conftest import Ledger, Workers, metrics_port, scrape, slot_holder, terminate, wait_until
-from tests.test_claim import take_slot
+from tests.conftest import Ledger, Workers, claim, metrics_port, scrape, slot_holder, take_slot, terminate, wait_until
 
 
 def wait_idle(conn: Any, lane: str) -> int:
@@ -93,7 +92,7 @@ class JobJustAfterAnEmptyClaim(Worker):
         self.armed = threading.Event()
         self.job: int | None = None
 
-    def _claim(self, session: LockSession) -> Job | None:
+    def _claim(self, session: LockSession) -> Claim | None:
         job = super()._claim(session)
         if job is None and self.armed.is_set():
             self.armed.clear()
@@ -469,8 +468,8 @@ def test_a_repeated_database_error_backs_off_up_to_5_s_and_a_stop_cuts_the_backo
 
 def test_the_logged_statement_for_an_unstored_failure_stores_its_text_exactly(conn: Any, lane: str) -> None:
     from pglane.handler import Outcome
+    from pglane.job import Claim
     from pglane.worker import unstored_sql
-    from tests.test_claim import claim
 
     pglane.enqueue(conn, lane, {})
     take_slot(conn, lane)
@@ -479,5 +478,7 @@ def test_the_logged_statement_for_an_unstored_failure_stores_its_text_exactly(co
     job = pglane.Job(id=row["job_id"], lane=lane, payload={}, attempt_id=row["attempt_id"], attempt_number=1,
                      seq=row["seq"], idempotency_key=None)
     error = "ValueError: it's C:\\temp\\x; DROP TABLE pglane.jobs; --"
-    assert conn.execute(unstored_sql(job, Outcome(error=error))).fetchone()["fail"] is True
+    statement = unstored_sql(Claim(job, str(row["token"])), Outcome(error=error))
+    with pglane.connect(conn.info.dsn) as elsewhere:  # the token lets any session store it
+        assert (elsewhere.execute(statement).fetchone() or {}).get("fail") is True
     assert pglane.attempts(conn, job.id)[0]["error"] == error
