@@ -44,11 +44,13 @@ def as_role(dsn: str, conn: Any) -> Iterator[Callable[[str], Any]]:
         c.close()
 
 
-def _claimed(conn: Any, session: Any) -> int:
-    """A running attempt, claimed by ``session`` (which takes the slot), as the owner sets it up."""
+def _claimed(conn: Any, session: Any) -> tuple[int, str]:
+    """A running attempt claimed by ``session`` (which takes the slot), as the owner sets it up: its id
+    and its token, which any session may use to write its outcome."""
     pglane.enqueue(conn, "brain", {})
     take_slot(session, "brain")
-    return int(claimed(session, "brain")["attempt_id"])
+    row = claimed(session, "brain")
+    return int(row["attempt_id"]), str(row["token"])
 
 
 def _failed(conn: Any) -> int:
@@ -72,15 +74,17 @@ OPERATIONS: dict[str, tuple[set[str], Callable[[Any, Any, Any], Any]]] = {
                                                  c.execute("SELECT pg_advisory_lock(1, 1)"),
                                                  c.execute("SELECT * FROM pglane.claim('brain', 'w')"))),
     "complete": ({"worker"}, lambda c, admin, new: c.execute(
-        "SELECT pglane.complete(%s, '{}')", (_claimed(admin, new()),))),
+        "SELECT pglane.complete(%s, '{}', %s)", _claimed(admin, new()))),
     "fail": ({"worker"}, lambda c, admin, new: c.execute(
-        "SELECT pglane.fail(%s, 'boom')", (_claimed(admin, new()),))),
+        "SELECT pglane.fail(%s, 'boom', false, %s)", _claimed(admin, new()))),
     "recover": ({"worker", "operator"}, lambda c, admin, new: c.execute("SELECT pglane.recover('brain')")),
     "retry": ({"operator"}, lambda c, admin, new: c.execute("SELECT pglane.retry(%s)", (_failed(admin),))),
     "cancel": ({"operator"}, lambda c, admin, new: c.execute(
         "SELECT pglane.cancel(%s)", (pglane.enqueue(admin, "brain", {}),))),
     "read payloads": ({"worker", "operator"}, lambda c, admin, new: c.execute("SELECT payload FROM pglane.jobs")),
-    "read attempts": ({"worker", "operator"}, lambda c, admin, new: c.execute("SELECT * FROM pglane.attempts")),
+    "read attempts": ({"worker", "operator"}, lambda c, admin, new: c.execute(
+        "SELECT id, job_id, status, worker, backend_pid, error FROM pglane.attempts")),
+    "read attempt tokens": ({"operator"}, lambda c, admin, new: c.execute("SELECT token FROM pglane.attempts")),
     "read lane status": ({"operator"}, lambda c, admin, new: c.execute("SELECT * FROM pglane.lane_status")),
     "prune": ({"operator"}, lambda c, admin, new: c.execute("SELECT pglane.prune(interval '1 day')")),
     "call a function body directly": (set(), lambda c, admin, new: c.execute(
