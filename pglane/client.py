@@ -68,9 +68,12 @@ def translated() -> Iterator[None]:
         raise mapped from None
 
 
+# Every statement here runs with prepare=False, never as a server-side prepared statement: producers and
+# operators may connect through a transaction-mode pooler (PgBouncer), where a statement psycopg prepared
+# on one server session is missing on the next ("prepared statement "_pg3_0" does not exist").
 def _one(conn: psycopg.Connection[Row], query: LiteralString, params: tuple[Any, ...]) -> Row:
     with translated():
-        row = conn.execute(query, params).fetchone()
+        row = conn.execute(query, params, prepare=False).fetchone()
     if row is None:  # every query given here returns exactly one row
         raise PglaneError("the database returned no row")
     return row
@@ -114,7 +117,7 @@ def create_lane(
 
 def lanes(conn: psycopg.Connection[Row]) -> list[Row]:
     with translated():
-        return conn.execute(queries.LANES, {"name": None}).fetchall()
+        return conn.execute(queries.LANES, {"name": None}, prepare=False).fetchall()
 
 
 _EMPTY: Any = object()  # enqueue() was given no payload: the job's is {}
@@ -137,12 +140,12 @@ def enqueue(
 
 def lane_status(conn: psycopg.Connection[Row]) -> list[Row]:
     with translated():
-        return conn.execute(queries.LANE_STATUS).fetchall()
+        return conn.execute(queries.LANE_STATUS, prepare=False).fetchall()
 
 
 def job_status(conn: psycopg.Connection[Row], job_id: int) -> Row:
     with translated():
-        row = conn.execute(queries.JOB_STATUS, (job_id,)).fetchone()
+        row = conn.execute(queries.JOB_STATUS, (job_id,), prepare=False).fetchone()
     if row is None:
         raise UnknownJob(f"no job {job_id}; list jobs with: pglane jobs")
     return row
@@ -152,17 +155,17 @@ def jobs(
     conn: psycopg.Connection[Row], *, lane: str | None = None, status: str | None = None, limit: int = 50
 ) -> list[Row]:
     with translated():
-        return conn.execute(queries.JOBS, {"lane": lane, "status": status, "limit": limit}).fetchall()
+        return conn.execute(queries.JOBS, {"lane": lane, "status": status, "limit": limit}, prepare=False).fetchall()
 
 
 def attempts(conn: psycopg.Connection[Row], job_id: int) -> list[Row]:
     with translated():
-        return conn.execute(queries.ATTEMPTS, (job_id,)).fetchall()
+        return conn.execute(queries.ATTEMPTS, (job_id,), prepare=False).fetchall()
 
 
 def result(conn: psycopg.Connection[Row], job_id: int) -> Any:
     with translated():
-        row = conn.execute(queries.JOB_RESULT, (job_id,)).fetchone()
+        row = conn.execute(queries.JOB_RESULT, (job_id,), prepare=False).fetchone()
     if row is None:
         raise UnknownJob(f"no job {job_id}; list jobs with: pglane jobs")
     return row["result"]
@@ -188,7 +191,7 @@ def prune(conn: psycopg.Connection[Row], older_than: float, *, lane: str | None 
 
 def stuck_attempts(conn: psycopg.Connection[Row], lane: str | None = None) -> list[Row]:
     with translated():
-        return conn.execute(queries.STUCK, (lane,)).fetchall()
+        return conn.execute(queries.STUCK, (lane,), prepare=False).fetchall()
 
 
 def terminate_stuck(conn: psycopg.Connection[Row], lane: str | None = None, *, wait: float = 10.0) -> int:
@@ -200,10 +203,10 @@ def terminate_stuck(conn: psycopg.Connection[Row], lane: str | None = None, *, w
     pids = {int(row["backend_pid"]) for row in stuck_attempts(conn, lane)}
     for pid in pids:
         with translated():
-            conn.execute(queries.TERMINATE, (pid,))
+            conn.execute(queries.TERMINATE, (pid,), prepare=False)
     deadline = time.monotonic() + wait
     while pids and time.monotonic() < deadline:
-        alive = conn.execute(queries.LIVE_SESSIONS, (list(pids),)).fetchone()
+        alive = conn.execute(queries.LIVE_SESSIONS, (list(pids),), prepare=False).fetchone()
         if alive is None or alive["n"] == 0:
             break
         time.sleep(0.05)
