@@ -189,3 +189,8 @@ def translate(exc: psycopg.Error) -> PglaneError | None:
     if code == "23505" and (diag.constraint_name or "") == "lanes_name_key":
         return InvalidLane("a lane with that name exists already; pick another name")
     return None
+
+
+class PoolerDetected(ConfigurationError):
+    """The worker's DSN leads through a transaction-mode pooler, which would hand its slot lock and its
+    LISTEN to other clients between transactions (pglane.pooler): the worker refuses to start."""

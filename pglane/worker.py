@@ -140,6 +140,9 @@ class Worker:
                 loop.add_signal_handler(sig, self.stop, f"{signal.Signals(sig).name} received")
         self._started = time.monotonic()
         lane = self._load_lane()
+        from .pooler import refuse_transaction_pooler  # a direct or session-pooled DSN, before any slot
+
+        refuse_transaction_pooler(self.dsn)
         hard_timeout = self.options.timeout or timing.default_worker_timeout(lane.job_timeout, lane.lease_timeout)
         if broken := timing.Timeouts(job=lane.job_timeout, lease=lane.lease_timeout, worker=hard_timeout).violations():
             raise ConfigurationError(f"lane {lane.name}: " + "; ".join(broken))
