@@ -16,6 +16,7 @@ from .client import (
     lane_status,
     prune,
     recover,
+    release_lease,
     result,
     retry,
 )
@@ -78,6 +79,7 @@ __all__ = [
     "lane_status",
     "prune",
     "recover",
+    "release_lease",
     "result",
     "retry",
     "upgrade",

@@ -102,7 +102,10 @@ class Caller:
         if claim.undecodable is not None:
             return _logged(job, Outcome(error=f"payload cannot be decoded ({claim.undecodable}); the handler was "
                                               "not called, so nothing was paid"))
-        started = time.monotonic()
+        # Both timeouts count from when the claim was sent, before the server started the lease: so the
+        # call ends (or the process does, EXIT_HUNG) before the lease ends on the server, whatever the
+        # network did meanwhile (R2: worker timeout < lease).
+        started = claim.sent_at
         self.watchdog.arm(claim, started + self.hard_timeout)
         future, cancel = self.runner.start(job)  # an async handler that never suspends is done already
         if future.done():
@@ -150,7 +153,7 @@ class Caller:
         reason = (f"timed out: the handler ignored cancellation past the worker's hard timeout of "
                   f"{self.hard_timeout:g}s; the process was recycled")
         with contextlib.suppress(psycopg.Error):
-            session.conn.execute(queries.FAIL, (claim.job.attempt_id, reason, True, claim.token))
+            session.execute(queries.FAIL, (claim.job.attempt_id, reason, True, claim.token))
         log.error("attempt %s of job %s: the handler ignored cancellation past the hard timeout; recorded "
                   "timed_out, recycling the process (exit %s)", claim.job.attempt_id, claim.job.id, EXIT_HUNG)
         logging.shutdown()

@@ -79,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     create.add_argument("--lease-timeout", type=_seconds, help="default: 10%% longer than --job-timeout")
     create.add_argument("--max-attempts", type=int, default=1)
     create.add_argument("--max-queued", type=int)
+    create.add_argument("--takeover", choices=("immediate", "after-lease"), default="immediate",
+                        help="after-lease: a slot freed by a lost session takes no job until that attempt's "
+                        "lease ends, so no two calls ever overlap (default: immediate)")
     create.add_argument("--max-result-bytes", type=int, default=16 * 1024 * 1024,
                         help="a handler's result larger than this fails its attempt (default 16 MiB)")
 
@@ -97,6 +100,8 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--name", help="worker name recorded on attempts (default: host:pid)")
     w.add_argument("--recover-interval", type=_seconds, default=30.0,
                    help="how often the slot holder recovers attempts whose worker is gone (default 30)")
+    w.add_argument("--liveness", type=_seconds, default=10.0,
+                   help="a lock session silent this long is taken for lost (default 10)")
     w.add_argument("--metrics-port", type=int,
                    help="serve Prometheus metrics on 127.0.0.1:PORT (0: a free port, logged at start)")
 
@@ -119,6 +124,10 @@ def _parser() -> argparse.ArgumentParser:
         c.add_argument("job", type=int)
         c.add_argument("--json", action="store_true")
 
+    rl = sub.add_parser("release-lease", help="end a strict lane's wait for the lease of a lost attempt whose "
+                        "worker you know is stopped")
+    rl.add_argument("attempt", type=int)
+
     rc = sub.add_parser("recover", help="mark lost the attempts whose worker is gone")
     rc.add_argument("lane", nargs="?")
     rc.add_argument("--terminate-stuck", action="store_true",
@@ -133,6 +142,7 @@ def _parser() -> argparse.ArgumentParser:
     ck = sub.add_parser("check", help="check that the four timeouts agree for every lane")
     ck.add_argument("--stop-grace", type=_seconds)
     ck.add_argument("--worker-timeout", type=_seconds)
+    ck.add_argument("--liveness", type=_seconds, default=10.0, help="the workers' --liveness (default 10)")
 
     demo = sub.add_parser("demo", help="the whole promise in under a minute, on an embedded PostgreSQL")
     demo.add_argument("--data-dir", help="keep the embedded server's data here (default: a temp dir)")
@@ -194,6 +204,7 @@ def _worker(dsn: str, args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s")
     options = WorkerOptions(poll_interval=args.poll_interval, max_jobs=args.max_jobs,
                             max_lifetime=args.max_lifetime, timeout=args.timeout, name=args.name,
+                            liveness=args.liveness,
                             recover_interval=args.recover_interval, metrics_port=args.metrics_port)
     with client.connect(dsn) as conn:
         schema.require_current(conn)
@@ -205,7 +216,8 @@ def _command(conn: Any, args: argparse.Namespace) -> int:
     if cmd == "lane":
         lane_id = client.create_lane(conn, args.name, slots=args.slots, job_timeout=args.job_timeout,
                                      lease_timeout=args.lease_timeout, max_attempts=args.max_attempts,
-                                     max_queued=args.max_queued, max_result_bytes=args.max_result_bytes)
+                                     max_queued=args.max_queued, max_result_bytes=args.max_result_bytes,
+                                     takeover=args.takeover.replace("-", "_"))
         print(f"lane {args.name} created (id {lane_id})")
     elif cmd == "enqueue":
         print(client.enqueue(conn, args.lane, args.payload, key=args.key))
@@ -239,6 +251,9 @@ def _command(conn: Any, args: argparse.Namespace) -> int:
         print(client.prune(conn, args.older_than, lane=args.lane, include_failed=args.include_failed))
     elif cmd == "recover":
         return _recover(conn, args)
+    elif cmd == "release-lease":
+        client.release_lease(conn, args.attempt)
+        print(f"attempt {args.attempt}: the lane no longer waits for its lease")
     elif cmd == "check":
         return _check(conn, args)
     return 0
@@ -265,7 +280,8 @@ def _check(conn: Any, args: argparse.Namespace) -> int:
     for lane in client.lanes(conn):
         worker = args.worker_timeout or timing.default_worker_timeout(lane["job_timeout"], lane["lease_timeout"])
         rules = timing.Timeouts(job=lane["job_timeout"], lease=lane["lease_timeout"], worker=worker,
-                                stop_grace=args.stop_grace)
+                                stop_grace=args.stop_grace,
+                                liveness=args.liveness if lane["takeover"] == "after_lease" else None)
         problems = rules.violations()
         if problems:
             broken += 1

@@ -100,6 +100,7 @@ def create_lane(
     max_payload_bytes: int = 1024 * 1024,
     retry_backoff: float = 2.0,
     max_result_bytes: int = 16 * 1024 * 1024,
+    takeover: str = "immediate",
 ) -> int:
     """Create a lane and return its id. With no lease_timeout, it is 10 % longer than job_timeout."""
     lease = timing.default_lease_timeout(job_timeout) if lease_timeout is None else lease_timeout
@@ -110,7 +111,7 @@ def create_lane(
         conn,
         queries.CREATE_LANE,
         (name, slots, job_timeout, lease, max_attempts, max_queued, waiting_grace, max_payload_bytes, retry_backoff,
-         max_result_bytes),
+         max_result_bytes, takeover),
     )
     return int(row["id"])
 
@@ -181,6 +182,12 @@ def cancel(conn: psycopg.Connection[Row], job_id: int) -> bool:
 
 def recover(conn: psycopg.Connection[Row], lane: str | None = None) -> int:
     return int(_one(conn, queries.RECOVER, (lane,))["recover"])
+
+
+def release_lease(conn: psycopg.Connection[Row], attempt_id: int) -> bool:
+    """A person who knows the worker of lost attempt ``attempt_id`` is stopped ends a strict lane's wait
+    for its lease (recorded on the attempt, who and when); InvalidTransition if there is no such wait."""
+    return bool(_one(conn, queries.RELEASE_LEASE, (attempt_id,))["release_lease"])
 
 
 def prune(conn: psycopg.Connection[Row], older_than: float, *, lane: str | None = None,

@@ -157,6 +157,7 @@ CONSTRAINT_HINTS: dict[str, str] = {
     "lane_max_payload_range": "max_payload_bytes must be between 1 byte and 64 MiB",
     "lane_retry_backoff_range": "retry_backoff must be between 0 and 1 hour",
     "lane_max_result_range": "max_result_bytes must be between 1 byte and 256 MiB",
+    "lane_takeover_valid": "takeover must be immediate or after_lease",
     "job_status_valid": "job status must be one of queued, running, done, failed, cancelled",
     "attempt_status_valid": "attempt status must be one of running, done, failed, lost, timed_out",
 }

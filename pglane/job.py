@@ -47,10 +47,11 @@ class Claim:
 
     job: Job
     token: str
+    sent_at: float  # time.monotonic() when the claiming statement was sent: the call's deadlines count from it
     undecodable: str | None = None
 
     @classmethod
-    def from_row(cls, row: dict[str, Any] | None) -> Claim | None:
+    def from_row(cls, row: dict[str, Any] | None, sent_at: float) -> Claim | None:
         """The claim in a row of pglane.claimed (payload and token as text); None when it holds no job.
         Decoding the payload here, not in the driver, is what lets a payload no decoder accepts (nested
         too deep, a number too long) fail its attempt instead of the worker."""
@@ -63,4 +64,4 @@ class Claim:
             payload, undecodable = None, f"{type(exc).__name__}: {str(exc)[:200]}"
         job = Job(id=row["job_id"], lane=row["lane"], payload=payload, attempt_id=row["attempt_id"],
                   attempt_number=row["attempt_number"], seq=row["seq"], idempotency_key=row["idempotency_key"])
-        return cls(job, row["token"], undecodable)
+        return cls(job, row["token"], sent_at, undecodable)

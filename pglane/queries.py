@@ -7,11 +7,13 @@ from typing import LiteralString
 
 ENQUEUE: LiteralString = "SELECT pglane.enqueue(%s, %s::jsonb, %s, %s)"
 CLAIM: LiteralString = "SELECT * FROM pglane.claim(%s, %s)"
+CLAIM_OR_WAIT: LiteralString = "SELECT * FROM pglane.claim_or_wait(%s, %s)"  # the worker's: always a row
 # An outcome carries the attempt's token (claim() returned it): any session holding it may write.
 COMPLETE: LiteralString = "SELECT pglane.complete(%s, %s::jsonb, %s)"
 COMPLETE_AND_CLAIM: LiteralString = "SELECT * FROM pglane.complete_and_claim(%s, %s::jsonb, %s, %s, %s)"
 FAIL: LiteralString = "SELECT pglane.fail(%s, %s, %s, %s)"
 RECOVER: LiteralString = "SELECT pglane.recover(%s)"
+RELEASE_LEASE: LiteralString = "SELECT pglane.release_lease(%s)"
 RETRY: LiteralString = "SELECT pglane.retry(%s)"
 CANCEL: LiteralString = "SELECT pglane.cancel(%s)"
 STUCK: LiteralString = "SELECT * FROM pglane.stuck_attempts(%s) ORDER BY attempt_id"
@@ -21,14 +23,15 @@ LIVE_SESSIONS: LiteralString = "SELECT count(*) AS n FROM pg_stat_activity WHERE
 
 LANES: LiteralString = (  # every lane, or the one named %(name)s
     "SELECT id, name, slots, extract(epoch FROM job_timeout)::float8 AS job_timeout,"
-    " extract(epoch FROM lease_timeout)::float8 AS lease_timeout, max_attempts, max_queued, max_result_bytes"
+    " extract(epoch FROM lease_timeout)::float8 AS lease_timeout, max_attempts, max_queued, max_result_bytes,"
+    " takeover"
     " FROM pglane.lanes WHERE %(name)s::text IS NULL OR name = %(name)s ORDER BY name"
 )
 CREATE_LANE: LiteralString = (
     "INSERT INTO pglane.lanes (name, slots, job_timeout, lease_timeout, max_attempts, max_queued,"
-    " waiting_grace, max_payload_bytes, retry_backoff, max_result_bytes)"
+    " waiting_grace, max_payload_bytes, retry_backoff, max_result_bytes, takeover)"
     " VALUES (%s, %s, make_interval(secs => %s), make_interval(secs => %s), %s, %s,"
-    " make_interval(secs => %s), %s, make_interval(secs => %s), %s) RETURNING id"
+    " make_interval(secs => %s), %s, make_interval(secs => %s), %s, %s) RETURNING id"
 )
 
 TRY_SLOT: LiteralString = "SELECT pg_try_advisory_lock(%s, %s)"

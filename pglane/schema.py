@@ -63,8 +63,11 @@ def apply_sql(revision: str, names: Iterable[str]) -> None:
 @functools.cache
 def head() -> str:
     """The revision this pglane's migrations end at, read from alembic's script directory."""
+    import logging
+
     from alembic.script import ScriptDirectory
 
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # its plugin set-up is no news to a worker's log
     found = ScriptDirectory(str(migrations_dir())).get_current_head()
     if found is None:
         raise SchemaError("pglane's migrations have no head revision; reinstall pglane")

@@ -6,10 +6,16 @@ Owns the lock connection. Invariants:
   second release) and released with a checked unlock;
 - claims run on this session, because pglane.claim() refuses any session that holds no slot;
 - the lock key is (lane id, slot number), never a hash of the name; the channel is ``pglane_<id>``.
+- the session is never silent for long unnoticed: every statement runs under a deadline (``liveness``,
+  10 s by default) past which the ``Fuse`` cuts the socket, and during a call ``watch()`` asks the
+  server a question whenever nothing arrived for half that time and takes the session for lost when no
+  answer comes within it. A silent network (packets dropped, nothing closed, which TCP itself may not
+  notice for minutes) is thus noticed within ``liveness`` seconds during a call, and within the poll
+  interval plus ``liveness`` while idle.
 How it breaks: when the connection drops (server restart, pg_terminate_backend, network cut) the
-server frees the slot while this process may still be inside a call. Keepalives bound how long a dead
-peer goes unnoticed; every use of the connection raises ``psycopg.OperationalError`` after that, and
-the worker then reconnects and must take a slot again before it claims. The connection must be
+server frees the slot while this process may still be inside a call. Every use of the connection
+raises ``psycopg.OperationalError`` after that, and the worker then reconnects and must take a slot
+again before it claims. The connection must be
 direct: a transaction-mode pooler (PgBouncer) would hand the lock and the LISTEN to other clients.
 
 The connection is a synchronous psycopg connection driven from the worker's event loop: its
@@ -22,8 +28,14 @@ the socket, never by blocking. The one long blocking call is a standby's bounded
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from typing import Any
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any, LiteralString
 
 import psycopg
 from psycopg import sql
@@ -34,30 +46,80 @@ from . import queries
 
 log = logging.getLogger("pglane.worker")
 
-# Dead-peer detection on the lock connection (libpq keepalives; ignored on Unix sockets):
-# a silent host is noticed after about idle + interval * count = 10 + 5 * 3 = 25 seconds.
+LIVENESS = 10.0  # seconds a lock session may stay silent before it is taken for lost (--liveness)
+# Dead-peer detection by the kernel beside it (libpq keepalives; ignored on Unix sockets): a silent
+# host is noticed after about idle + interval * count = 5 + 2 * 3 = 11 seconds, unacknowledged data
+# after 10 s. They cannot see a peer that acknowledges and never answers (a hung proxy or server):
+# the liveness checks do.
 KEEPALIVES: dict[str, Any] = {
     "connect_timeout": 10,
     "keepalives": 1,
-    "keepalives_idle": 10,
-    "keepalives_interval": 5,
+    "keepalives_idle": 5,
+    "keepalives_interval": 2,
     "keepalives_count": 3,
-    "tcp_user_timeout": 25000,
+    "tcp_user_timeout": 10000,
 }
 STANDBY_WAIT = "500ms"  # one blocking wait for a busy slot; bounded so that a stop request is seen
 
 
+class Fuse(threading.Thread):
+    """Cuts a lock session whose statement has not returned by its deadline: it shuts the socket down,
+    so that libpq's blocked read returns and the statement fails with OperationalError. Arming costs
+    one attribute assignment per statement (atomic under the GIL); the thread looks every TICK."""
+
+    TICK = 0.25
+
+    def __init__(self, fd: int) -> None:
+        super().__init__(name="pglane-fuse", daemon=True)
+        self.fd = fd
+        self.deadline: float | None = None  # time.monotonic(); set by the event loop only
+        self.blown = False
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(self.TICK):
+            deadline = self.deadline
+            if deadline is not None and time.monotonic() > deadline and not self.blown:
+                self.blown = True
+                log.error("the lock session was silent past its deadline; cutting it")
+                with contextlib.suppress(OSError):
+                    cut = socket.socket(fileno=os.dup(self.fd))
+                    cut.shutdown(socket.SHUT_RDWR)
+                    cut.close()
+
+
 class LockSession:
-    def __init__(self, conn: psycopg.Connection[dict[str, Any]], lane_id: int, slots: int) -> None:
+    def __init__(self, conn: psycopg.Connection[dict[str, Any]], lane_id: int, slots: int,
+                 liveness: float = LIVENESS) -> None:
         self.conn = conn
         self.lane_id = lane_id
         self.slots = slots
+        self.liveness = liveness
         self.slot: int | None = None  # the slot this session holds; only _took and release change it
         self.channel = f"pglane_{lane_id}"
         self._waiting: asyncio.Future[bool] | None = None  # the wait interrupt() ends; set by _readable only
+        self._fuse = Fuse(conn.fileno())
+        self._fuse.start()
+
+    def execute(self, query: LiteralString | sql.Composed, params: Any = None) -> dict[str, Any] | None:
+        """Run one statement on the session under the liveness deadline; its first row (None if none)."""
+        self._fuse.deadline = time.monotonic() + self.liveness
+        try:
+            cur = self.conn.execute(query, params)
+            return cur.fetchone() if cur.description is not None else None
+        finally:
+            self._fuse.deadline = None
+
+    @contextlib.contextmanager
+    def _fused(self, seconds: float) -> Iterator[None]:
+        self._fuse.deadline = time.monotonic() + seconds
+        try:
+            yield
+        finally:
+            self._fuse.deadline = None
 
     @classmethod
-    def connect(cls, dsn: str, lane_id: int, slots: int, name: str) -> LockSession:
+    def connect(cls, dsn: str, lane_id: int, slots: int, name: str, liveness: float = LIVENESS) -> LockSession:
         conn = psycopg.Connection.connect(
             dsn, autocommit=True, row_factory=dict_row, application_name=f"pglane {name}"[:63], **KEEPALIVES
         )
@@ -65,13 +127,13 @@ class LockSession:
         # no decoder accepts fails its attempt rather than the fetch (pglane.job.Claim.from_row).
         for type_name in ("jsonb", "uuid"):
             conn.adapters.register_loader(type_name, TextLoader)
-        return cls(conn, lane_id, slots)
+        return cls(conn, lane_id, slots, liveness)
 
     def try_take(self) -> bool:
         """Take any free slot at once; False when all are held by others."""
         assert self.slot is None, "a session takes one slot once"
         for slot in range(1, self.slots + 1):
-            row = self.conn.execute(queries.TRY_SLOT, (self.lane_id, slot)).fetchone()
+            row = self.execute(queries.TRY_SLOT, (self.lane_id, slot))
             if row is not None and row["pg_try_advisory_lock"]:
                 self._took(slot)
                 return True
@@ -79,20 +141,20 @@ class LockSession:
 
     def _took(self, slot: int) -> None:
         self.slot = slot
-        self.conn.execute(queries.SLOT_HINT, (str(slot),))
+        self.execute(queries.SLOT_HINT, (str(slot),))
 
     async def wait_take(self, stopping: asyncio.Event) -> bool:
         """Wait as a standby until a slot frees, then take it; False if asked to stop first.
         Blocks on one slot at a time (rotating, STANDBY_WAIT each) so that a one-slot lane is taken
         over the moment its holder's session ends; between waits the event loop runs (signals)."""
-        self.conn.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(STANDBY_WAIT)))
+        self.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(STANDBY_WAIT)))
         try:
             turn = 0
             while not stopping.is_set():
                 slot = turn % self.slots + 1
                 turn += 1
                 try:
-                    self.conn.execute(queries.WAIT_SLOT, (self.lane_id, slot))
+                    self.execute(queries.WAIT_SLOT, (self.lane_id, slot))
                 except psycopg.errors.LockNotAvailable:
                     if self.slots > 1 and self.try_take():
                         return True
@@ -103,10 +165,10 @@ class LockSession:
             return False
         finally:
             if not self.conn.closed:
-                self.conn.execute("RESET lock_timeout")
+                self.execute("RESET lock_timeout")
 
     def listen(self) -> None:
-        self.conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+        self.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
 
     def _drain_notifies(self) -> bool:
         """Consume the notifications received so far; True if there was one. Raises
@@ -159,21 +221,53 @@ class LockSession:
         return await self._readable(timeout)
 
     async def watch(self) -> None:
-        """Consume notifications until the connection fails; raises OperationalError then.
-        Run during a call, so that a lost lock connection is noticed at once."""
+        """Consume notifications until the connection fails or goes silent; raises OperationalError
+        then. Run during a call, so that a lost lock connection is noticed at once, and a silent one
+        within ``liveness`` seconds: whenever nothing arrived for half that time it asks the server a
+        question (SELECT 1) that must be answered within ``liveness``."""
         while True:
-            await self._readable()
-            self._drain_notifies()
+            if await self._readable(self.liveness / 2):
+                self._drain_notifies()
+            else:
+                await self._ping()
+
+    async def _ping(self) -> None:
+        pgconn = self.conn.pgconn
+        pgconn.send_query(b"SELECT 1")
+        pgconn.flush()
+        deadline = time.monotonic() + self.liveness
+        try:
+            while True:
+                pgconn.consume_input()
+                while pgconn.notifies() is not None:
+                    pass
+                if not pgconn.is_busy():
+                    while pgconn.get_result() is not None:
+                        pass
+                    return
+                if not await self._readable(max(0.0, deadline - time.monotonic())) \
+                        and time.monotonic() >= deadline:
+                    self.conn.close()  # nothing more is sent on it; releasing it needs no round trip
+                    raise psycopg.OperationalError(
+                        f"the lock session was silent for {self.liveness:g}s (no answer to a liveness check)")
+        except asyncio.CancelledError:
+            # The call ended with the question unanswered: read the answer before the session is used
+            # again, within what is left of the deadline (the fuse cuts a session that stays silent).
+            with self._fused(max(0.0, deadline - time.monotonic())), contextlib.suppress(psycopg.Error):
+                while pgconn.get_result() is not None:
+                    pass
+            raise
 
     def release(self) -> None:
         """Give the slot back with a checked unlock, and close the session."""
         try:
             if self.slot is not None and not self.conn.closed:
-                row = self.conn.execute(queries.RELEASE_SLOT, (self.lane_id, self.slot)).fetchone()
+                row = self.execute(queries.RELEASE_SLOT, (self.lane_id, self.slot))
                 if row is None or not row["pg_advisory_unlock"]:
                     log.warning("slot %s of lane id %s was not held at release", self.slot, self.lane_id)
         except psycopg.Error:
             pass  # the session is gone, and with it the lock
         finally:
             self.slot = None
+            self._fuse.done.set()
             self.conn.close()

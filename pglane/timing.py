@@ -7,8 +7,8 @@
 - the process manager's stop grace period: how long a deploy waits after SIGTERM.
 
 Rules: R1 job < lease (also a CHECK in the database); R2 job <= worker < lease; R3 stop grace >=
-worker. Breaking R2 lets a lease run out while the worker still waits; breaking R3 lets a deploy cut
-a paid call off.
+worker; S1, on a strict lane (takeover after_lease), lease >= worker + liveness. Breaking R2 lets a
+lease run out while the worker still waits; breaking R3 lets a deploy cut a paid call off.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ class Timeouts:
     lease: float
     worker: float
     stop_grace: float | None = None
+    liveness: float | None = None  # given for a strict lane only: the workers' liveness deadline
 
     def violations(self) -> list[str]:
         """Every broken rule, each named and explained; empty when the four numbers agree."""
@@ -58,6 +59,12 @@ class Timeouts:
             broken.append(
                 f"R3 stop grace >= worker timeout: stop grace {self.stop_grace:g}s is below the "
                 f"worker timeout {self.worker:g}s, so a deploy could cut a paid call off"
+            )
+        if self.liveness is not None and not self.lease >= self.worker + self.liveness:
+            broken.append(
+                f"S1 strict lane: lease_timeout >= worker timeout + liveness: lease {self.lease:g}s is below "
+                f"{self.worker:g}s + {self.liveness:g}s, so a takeover could wait less than a cut-off worker "
+                f"needs to notice it is cut off and stop; raise --lease-timeout"
             )
         return broken
 

@@ -70,7 +70,7 @@ from .errors import SlotLost as SlotLost
 from .handler import Handler, Outcome, Runner
 from .job import Claim
 from .metrics import Metrics
-from .slot import LockSession
+from .slot import LIVENESS, LockSession
 
 log = logging.getLogger("pglane.worker")
 
@@ -89,6 +89,7 @@ class WorkerOptions:
     recover_interval: float = 30.0
     name: str | None = None
     metrics_port: int | None = None  # serve Prometheus metrics on 127.0.0.1:PORT
+    liveness: float = LIVENESS  # a lock session silent this long is taken for lost
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ class Lane:
     job_timeout: float
     lease_timeout: float
     max_result_bytes: int
+    takeover: str
 
 
 class Worker:
@@ -114,6 +116,8 @@ class Worker:
         self._stopping = asyncio.Event()
         self._pending: tuple[Claim, Outcome] | None = None  # an outcome not yet written; see module doc
         self._empty_claimed = 0.0  # when a claim last found nothing (time.monotonic())
+        self._claim_allowed: float | None = None  # after an empty claim on a strict lane: when a lease ends
+        self._sent = 0.0  # when the last claiming statement was sent (time.monotonic())
         self._started = 0.0  # time.monotonic(), as every timer of the worker
         self._next_recover = 0.0
         self._last_try = False  # the current session began after a stop request: if it fails, give up
@@ -191,8 +195,8 @@ class Worker:
             row = conn.execute(queries.LANES, {"name": self.lane_name}).fetchone()
         if row is None:
             raise UnknownLane(f"unknown lane {self.lane_name!r}; create it with: pglane lane create {self.lane_name}")
-        lane_id, name, slots, job_timeout, lease_timeout, _, _, max_result_bytes = row
-        return Lane(lane_id, name, slots, job_timeout, lease_timeout, max_result_bytes)
+        lane_id, name, slots, job_timeout, lease_timeout, _, _, max_result_bytes, takeover = row
+        return Lane(lane_id, name, slots, job_timeout, lease_timeout, max_result_bytes, takeover)
 
     # ----- sessions, one after another: connecting, with the backoff -------------------------
 
@@ -239,7 +243,8 @@ class Worker:
     async def _session(self, lane: Lane) -> None:
         """Connect, deliver a pending outcome, take a slot (or wait as a standby), recover, LISTEN, drain."""
         try:
-            session = LockSession.connect(self.dsn, lane.id, lane.slots, f"{lane.name} {self.name}")
+            session = LockSession.connect(self.dsn, lane.id, lane.slots, f"{lane.name} {self.name}",
+                                          self.options.liveness)
         except psycopg.OperationalError as exc:
             raise DatabaseUnavailable(first_line(exc)) from None
         try:
@@ -307,6 +312,8 @@ class Worker:
         """Wait for a NOTIFY, the poll interval, the next recovery, the end of life, or a stop."""
         now = time.monotonic()
         timeout = min(self.options.poll_interval, max(0.0, self._next_recover - now))
+        if self._claim_allowed is not None:  # a strict lane's claim said when a lease it waits for ends
+            timeout = min(timeout, max(0.0, self._claim_allowed - now))
         if self.options.max_lifetime is not None:
             timeout = min(timeout, max(0.0, self._started + self.options.max_lifetime - now))
         if not self._stopping.is_set():
@@ -320,7 +327,7 @@ class Worker:
         return time.monotonic() >= self._next_recover
 
     def _recover(self, session: LockSession) -> None:
-        row = session.conn.execute(queries.RECOVER, (self.lane_name,)).fetchone()
+        row = session.execute(queries.RECOVER, (self.lane_name,))
         if row and row["recover"]:
             log.warning("recovered %s attempt(s) of lane %s whose worker was gone (marked lost)",
                         row["recover"], self.lane_name)
@@ -329,24 +336,32 @@ class Worker:
     # ----- claim and write ------------------------------------------------------------------
 
     def _claim(self, session: LockSession) -> Claim | None:
-        claim = Claim.from_row(self._claim_round_trip(session, queries.CLAIM, (self.lane_name, self.name)))
+        return self._taken(self._claim_round_trip(session, queries.CLAIM_OR_WAIT, (self.lane_name, self.name)))
+
+    def _taken(self, row: dict[str, Any] | None) -> Claim | None:
+        """The claim a claiming statement's row holds, stamped with when that statement was sent (the
+        call's deadlines count from then). None for an empty claim, whose time is kept, and with it
+        when a strict lane allows the next one (wait_seconds: a lease it waits for)."""
+        claim = Claim.from_row(row, self._sent)
         if claim is None:
             self._empty_claimed = time.monotonic()
+            wait = (row or {}).get("wait_seconds")
+            self._claim_allowed = None if wait is None else self._empty_claimed + wait
         return claim
 
     def _claim_round_trip(self, session: LockSession, query: LiteralString,
                           params: tuple[Any, ...]) -> dict[str, Any] | None:
         """Run a statement that claims (claim, or complete_and_claim); its row. The one place that times
         a claim (the claim latency metric) and turns the database's refusal of a claim into SlotLost."""
-        started = time.perf_counter()
+        started = self._sent = time.monotonic()
         try:
-            row = session.conn.execute(query, params).fetchone()
+            row = session.execute(query, params)
         except psycopg.Error as exc:
             if isinstance(translate(exc), NoSlotHeld):
                 raise SlotLost(first_line(exc)) from None
             raise
         if self._metrics is not None:
-            self._metrics.claim_latency.observe(time.perf_counter() - started)
+            self._metrics.claim_latency.observe(time.monotonic() - started)
         return row
 
     def _write_and_claim(self, session: LockSession, claim: Claim, outcome: Outcome) -> Claim | None:
@@ -371,10 +386,7 @@ class Worker:
         self._pending = None
         assert row is not None
         self._written(claim, bool(row["completed"]), ok=True)
-        next_claim = Claim.from_row(row)
-        if next_claim is None:
-            self._empty_claimed = time.monotonic()
-        return next_claim
+        return self._taken(row)
 
     def _write(self, session: LockSession, claim: Claim, outcome: Outcome) -> None:
         """Write one outcome through the guarded functions. A result the database refuses (too large,
@@ -384,7 +396,7 @@ class Worker:
         attempt, token = claim.job.attempt_id, claim.token
         if outcome.result_json is not None:
             try:
-                row = session.conn.execute(queries.COMPLETE, (attempt, outcome.result_json, token)).fetchone()
+                row = session.execute(queries.COMPLETE, (attempt, outcome.result_json, token))
             except psycopg.Error as exc:
                 if _session_lost(session, exc):
                     raise
@@ -395,7 +407,7 @@ class Worker:
                 self._pending = None
                 self._written(claim, bool((row or {}).get("complete")), ok=True)
                 return
-        row = session.conn.execute(queries.FAIL, (attempt, outcome.error, outcome.timed_out, token)).fetchone()
+        row = session.execute(queries.FAIL, (attempt, outcome.error, outcome.timed_out, token))
         self._pending = None
         self._written(claim, bool((row or {}).get("fail")), ok=False)
 

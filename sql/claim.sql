@@ -20,6 +20,8 @@ DECLARE
     v_slot    integer;
     v_mine    integer;
     v_try     integer;
+    v_in_flight bigint;
+    v_lease_ends timestamptz;
     r         pglane.claimed;
 BEGIN
     SELECT * INTO v_lane FROM pglane.lanes l WHERE l.name = p_lane;
@@ -53,6 +55,19 @@ BEGIN
         RAISE EXCEPTION USING ERRCODE = 'PGL06',
             MESSAGE = format('this session holds no slot of lane %L, so it may not claim', p_lane),
             HINT = 'take a slot first with pg_advisory_lock(lane id, slot number), as pglane worker does';
+    END IF;
+
+    -- A strict lane (takeover after_lease): the calls possibly in flight (running attempts, and lost
+    -- ones whose lease runs on) never exceed its slots. Counted under the counters row lock, which
+    -- every claim of the lane takes anyway, so that two slots cannot both count the same room. With
+    -- no room, nothing is claimed and wait_seconds says when the first such lease ends.
+    IF v_lane.takeover = 'after_lease' THEN
+        PERFORM 1 FROM pglane.lane_counters c WHERE c.lane_id = v_lane.id FOR UPDATE;
+        SELECT f.in_flight, f.lease_ends INTO v_in_flight, v_lease_ends FROM pglane.in_flight(p_lane) f;
+        IF v_in_flight >= v_lane.slots THEN
+            r.wait_seconds := greatest(0, extract(epoch FROM v_lease_ends - now()));
+            RETURN r;
+        END IF;
     END IF;
 
     SELECT j.id INTO r.job_id
@@ -99,6 +114,15 @@ LANGUAGE sql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
 AS $$
     SELECT * FROM pglane.claim_impl(p_lane, p_worker) c WHERE c.job_id IS NOT NULL;
+$$;
+
+-- claim_or_wait: claim() as pglane worker calls it: always one row, the job, or (none eligible) all
+-- NULL but wait_seconds, which a strict lane sets to how long until the lease it waits for ends.
+CREATE OR REPLACE FUNCTION pglane.claim_or_wait(p_lane text, p_worker text) RETURNS pglane.claimed
+LANGUAGE sql SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
+    SELECT pglane.claim_impl(p_lane, p_worker);
 $$;
 
 

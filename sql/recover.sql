@@ -19,6 +19,49 @@ AS $$
                       AND h.granted AND h.mode = 'ExclusiveLock');
 $$;
 
+-- in_flight: the calls of lane p_lane that may be in flight right now: running attempts, and lost ones
+-- whose lease has not passed on the database clock and that nobody released (release_lease): the
+-- worker of such an attempt may still be calling. `lease_ends` and `lost_attempt` name the lost
+-- attempt whose lease ends first. A strict lane's claim (takeover after_lease) counts this; the views
+-- explain a wait with it. Read-only; runs as its owner so that a producer's job_status may call it.
+CREATE OR REPLACE FUNCTION pglane.in_flight(p_lane text,
+    OUT in_flight bigint, OUT lost_attempt bigint, OUT lease_ends timestamptz)
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
+    SELECT count(*),
+           (array_agg(a.id ORDER BY a.lease_expires_at) FILTER (WHERE a.status = 'lost'))[1],
+           min(a.lease_expires_at) FILTER (WHERE a.status = 'lost')
+      FROM pglane.attempts a JOIN pglane.jobs j ON j.id = a.job_id
+     WHERE j.lane = p_lane
+       AND (a.status = 'running'
+            OR (a.status = 'lost' AND a.lease_released_at IS NULL AND a.lease_expires_at > now()));
+$$;
+
+-- release_lease: a person who knows the worker of lost attempt p_attempt_id is stopped ends the wait
+-- for its lease on a strict lane: recorded on the attempt (who, when), and the lane is woken. Refused
+-- (PGL08) for an attempt that is not lost with its lease still running.
+CREATE OR REPLACE FUNCTION pglane.release_lease(p_attempt_id bigint) RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
+DECLARE
+    v_lane text;
+BEGIN
+    UPDATE pglane.attempts a SET lease_released_at = now(), lease_released_by = pglane.caller()
+     WHERE a.id = p_attempt_id AND a.status = 'lost' AND a.lease_released_at IS NULL
+       AND a.lease_expires_at > now()
+    RETURNING (SELECT j.lane FROM pglane.jobs j WHERE j.id = a.job_id) INTO v_lane;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'PGL08',
+            MESSAGE = format('attempt %s is not a lost attempt whose lease still runs: there is no wait to end',
+                             p_attempt_id),
+            HINT = 'pglane status shows which attempt a strict lane waits for';
+    END IF;
+    PERFORM pglane.notify_lane((SELECT l.id FROM pglane.lanes l WHERE l.name = v_lane));
+    RETURN true;
+END $$;
+
 -- running_attempts: every running attempt with the evidence about its worker. `alive` false means
 -- recover() will mark it lost; `stuck` means past its lease with its worker still connected.
 CREATE OR REPLACE VIEW pglane.running_attempts AS

@@ -3,6 +3,16 @@
 -- CREATE OR REPLACE keeps the grants of revision 0002 when a later revision re-applies this file; a
 -- change to a view's columns other than adding one at the end needs its own DROP in that revision.
 
+-- lease_wait_note: why a strict lane takes no job, and the way out.
+CREATE OR REPLACE FUNCTION pglane.lease_wait_note(p_lane text, p_attempt bigint, p_until timestamptz) RETURNS text
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT format('wait: the worker of lost attempt %s may still be calling; lane %s takes its next job when '
+                  'that lease ends at %s. If you know that worker is stopped: pglane release-lease %s',
+                  p_attempt, p_lane, p_until, p_attempt);
+$$;
+
 -- lane_consumers: how many sessions hold a slot of the lane right now (session advisory locks).
 CREATE OR REPLACE FUNCTION pglane.lane_consumers(p_lane_id integer, p_slots integer) RETURNS integer
 LANGUAGE sql STABLE
@@ -68,11 +78,13 @@ WITH counts AS (
            coalesce(c.arrived_5m, 0) AS arrived_5m, coalesce(c.finished_5m, 0) AS finished_5m,
            coalesce(an.orphaned, 0) AS orphaned, coalesce(an.stuck, 0) AS stuck,
            l.max_queued, l.waiting_grace, l.job_timeout, l.lease_timeout, l.max_attempts,
-           coalesce(h.holders, '[]') AS holders, coalesce(h.squatters, 0) AS squatters, h.squatter_action
+           coalesce(h.holders, '[]') AS holders, coalesce(h.squatters, 0) AS squatters, h.squatter_action,
+           l.takeover, f.in_flight, f.lost_attempt, f.lease_ends
       FROM pglane.lanes l
       LEFT JOIN counts c ON c.lane = l.name
       LEFT JOIN attempts_now an ON an.lane = l.name
       LEFT JOIN holders h ON h.lane_id = l.id
+      LEFT JOIN LATERAL pglane.in_flight(l.name) f ON true
 )
 SELECT b.lane, b.slots, b.consumers, b.queued, b.running, b.done, b.failed, b.cancelled,
        b.oldest_queued_age, b.orphaned AS lost_workers, b.stuck, b.max_queued, b.max_attempts,
@@ -86,6 +98,8 @@ SELECT b.lane, b.slots, b.consumers, b.queued, b.running, b.done, b.failed, b.ca
                       '(pglane jobs --lane %s --status running); end them with: pglane recover %s --terminate-stuck',
                       b.stuck, b.lane, b.lane)
            WHEN b.squatters > 0 THEN b.squatter_action
+           WHEN b.takeover = 'after_lease' AND b.in_flight >= b.slots AND b.lost_attempt IS NOT NULL AND b.queued > 0 THEN
+               pglane.lease_wait_note(b.lane, b.lost_attempt, b.lease_ends)
            WHEN b.consumers = 0 AND b.queued > 0 THEN
                format('start a worker for lane %s: pglane worker %s --handler MODULE:CALLABLE', b.lane, b.lane)
            WHEN b.eligible > 0 AND b.oldest_eligible_age > b.waiting_grace AND b.arrived_5m > b.finished_5m THEN
@@ -96,7 +110,8 @@ SELECT b.lane, b.slots, b.consumers, b.queued, b.running, b.done, b.failed, b.ca
                format('nothing queued; start a worker for lane %s before work arrives', b.lane)
            ELSE 'nothing to do'
        END AS next_safe_action,
-       b.holders, b.squatters
+       b.holders, b.squatters, b.takeover, b.in_flight,
+       CASE WHEN b.takeover = 'after_lease' AND b.in_flight >= b.slots THEN b.lease_ends END AS waits_until
   FROM base b;
 
 -- queue_position counts the lane's queued jobs through the queue index (q.in_queue), so it costs
@@ -119,6 +134,9 @@ SELECT j.id AS job_id, j.lane, j.status, j.created_at, j.run_after, j.started_at
        CASE j.status
            WHEN 'queued' THEN CASE
                WHEN j.run_after > now() THEN format('nothing to do: scheduled to run after %s', j.run_after)
+               WHEN l.takeover = 'after_lease' AND (SELECT f.in_flight >= l.slots AND f.lost_attempt IS NOT NULL
+                                                      FROM pglane.in_flight(j.lane) f) THEN
+                   (SELECT pglane.lease_wait_note(j.lane, f.lost_attempt, f.lease_ends) FROM pglane.in_flight(j.lane) f)
                WHEN greatest(j.created_at, j.run_after) >= now() - l.waiting_grace THEN 'nothing to do: just queued'
                WHEN pglane.lane_consumers(l.id, l.slots) = 0 THEN
                    format('start a worker for lane %s: pglane worker %s --handler MODULE:CALLABLE', j.lane, j.lane)

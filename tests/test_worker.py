@@ -27,7 +27,7 @@ def wait_idle(conn: Any, lane: str) -> int:
         if not holders:
             return None
         row = conn.execute("SELECT state, query FROM pg_stat_activity WHERE pid = %s", (holders[0],)).fetchone()
-        ok = row and row["state"] == "idle" and "claim(" in row["query"]
+        ok = row and row["state"] == "idle" and "claim" in row["query"]  # claim_or_wait, complete_and_claim
         return holders[0] if ok else None
 
     return int(wait_until(idle, 20, "an idle worker holding the slot"))
@@ -432,17 +432,17 @@ def test_the_lock_connection_carries_keepalives(dsn: str, conn: Any, lane: str) 
         got = session.conn.info.get_parameters()
     finally:
         session.release()
-    documented = {"keepalives": "1", "keepalives_idle": "10", "keepalives_interval": "5", "keepalives_count": "3",
-                  "tcp_user_timeout": "25000"}  # as README says
+    documented = {"keepalives": "1", "keepalives_idle": "5", "keepalives_interval": "2", "keepalives_count": "3",
+                  "tcp_user_timeout": "10000"}  # as README says
     assert {k: got.get(k) for k in documented} == documented
 
 
 def test_a_database_error_makes_the_worker_back_off_and_go_on_not_die(conn: Any, lane: str, workers: Workers) -> None:
     proc = workers.start(lane, "tests.handlers:paid_call", "--poll-interval", "0.2")
     wait_idle(conn, lane)
-    conn.execute("ALTER FUNCTION pglane.claim(text, text) RENAME TO claim_away")
+    conn.execute("ALTER FUNCTION pglane.claim_or_wait(text, text) RENAME TO claim_away")
     wait_until(lambda: "database error" in Workers.log(proc), 20, "the worker to meet the error")
-    conn.execute("ALTER FUNCTION pglane.claim_away(text, text) RENAME TO claim")
+    conn.execute("ALTER FUNCTION pglane.claim_away(text, text) RENAME TO claim_or_wait")
     job = pglane.enqueue(conn, lane, {})
     wait_until(lambda: status(conn, job) == "done", 30, "the worker to go on")
     assert proc.poll() is None
@@ -453,7 +453,7 @@ def test_a_repeated_database_error_backs_off_up_to_5_s_and_a_stop_cuts_the_backo
 ) -> None:
     proc = workers.start(lane, "tests.handlers:paid_call", "--poll-interval", "0.2")
     wait_idle(conn, lane)
-    conn.execute("ALTER FUNCTION pglane.claim(text, text) RENAME TO claim_away")
+    conn.execute("ALTER FUNCTION pglane.claim_or_wait(text, text) RENAME TO claim_away")
     try:
         wait_until(lambda: "reconnecting in 5.0s" in Workers.log(proc), 30, "the backoff to reach its bound")
         delays = re.findall(r"database error .*; reconnecting in ([\d.]+)s", Workers.log(proc))
@@ -463,7 +463,7 @@ def test_a_repeated_database_error_backs_off_up_to_5_s_and_a_stop_cuts_the_backo
         assert proc.wait(20) == 0
         assert time.monotonic() - stopped < 4  # not the 5 s sleep out: the stop ended it
     finally:
-        conn.execute("ALTER FUNCTION pglane.claim_away(text, text) RENAME TO claim")
+        conn.execute("ALTER FUNCTION pglane.claim_away(text, text) RENAME TO claim_or_wait")
 
 
 def test_the_logged_statement_for_an_unstored_failure_stores_its_text_exactly(conn: Any, lane: str) -> None:
@@ -478,7 +478,7 @@ def test_the_logged_statement_for_an_unstored_failure_stores_its_text_exactly(co
     job = pglane.Job(id=row["job_id"], lane=lane, payload={}, attempt_id=row["attempt_id"], attempt_number=1,
                      seq=row["seq"], idempotency_key=None)
     error = "ValueError: it's C:\\temp\\x; DROP TABLE pglane.jobs; --"
-    statement = unstored_sql(Claim(job, str(row["token"])), Outcome(error=error))
+    statement = unstored_sql(Claim(job, str(row["token"]), sent_at=0.0), Outcome(error=error))
     with pglane.connect(conn.info.dsn) as elsewhere:  # the token lets any session store it
         assert (elsewhere.execute(statement).fetchone() or {}).get("fail") is True
     assert pglane.attempts(conn, job.id)[0]["error"] == error
