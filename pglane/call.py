@@ -143,6 +143,7 @@ class Caller:
                           first_line(ended))
         outcome = await settle(future, cancel, self.job_timeout, started + self.job_timeout,
                                started + self.hard_timeout)
+        self.watchdog.disarm()  # the handler is done: what follows may block on the session, not on it
         if lost:
             session.release()  # nothing more runs on it: the outcome's write fails and is kept pending
         return outcome

@@ -8,8 +8,8 @@ Owns the lock connection. Invariants:
 - the lock key is (lane id, slot number), never a hash of the name; the channel is ``pglane_<id>``.
 - the session is never silent for long unnoticed: every statement runs under a deadline (``liveness``,
   10 s by default) past which the ``Fuse`` cuts the socket, and during a call ``watch()`` asks the
-  server a question whenever nothing arrived for half that time and takes the session for lost when no
-  answer comes within it. A silent network (packets dropped, nothing closed, which TCP itself may not
+  server a question whenever nothing arrived for a quarter of that time and takes the session for lost
+  when no answer comes within the rest. A silent network (packets dropped, nothing closed, which TCP itself may not
   notice for minutes) is thus noticed within ``liveness`` seconds during a call, and within the poll
   interval plus ``liveness`` while idle.
 How it breaks: when the connection drops (server restart, pg_terminate_backend, network cut) the
@@ -34,7 +34,6 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any, LiteralString
 
 import psycopg
@@ -100,21 +99,18 @@ class LockSession:
         self._waiting: asyncio.Future[bool] | None = None  # the wait interrupt() ends; set by _readable only
         self._fuse = Fuse(conn.fileno())
         self._fuse.start()
+        self._unanswered = False  # a liveness question whose answer is still to be read (see _ping)
 
     def execute(self, query: LiteralString | sql.Composed, params: Any = None) -> dict[str, Any] | None:
         """Run one statement on the session under the liveness deadline; its first row (None if none)."""
         self._fuse.deadline = time.monotonic() + self.liveness
         try:
+            if self._unanswered:  # first the answer to the question a finished call left open
+                while self.conn.pgconn.get_result() is not None:
+                    pass
+                self._unanswered = False
             cur = self.conn.execute(query, params)
             return cur.fetchone() if cur.description is not None else None
-        finally:
-            self._fuse.deadline = None
-
-    @contextlib.contextmanager
-    def _fused(self, seconds: float) -> Iterator[None]:
-        self._fuse.deadline = time.monotonic() + seconds
-        try:
-            yield
         finally:
             self._fuse.deadline = None
 
@@ -223,40 +219,38 @@ class LockSession:
     async def watch(self) -> None:
         """Consume notifications until the connection fails or goes silent; raises OperationalError
         then. Run during a call, so that a lost lock connection is noticed at once, and a silent one
-        within ``liveness`` seconds: whenever nothing arrived for half that time it asks the server a
-        question (SELECT 1) that must be answered within ``liveness``."""
+        within ``liveness`` seconds: whenever nothing arrived for a quarter of that time it asks the
+        server a question (SELECT 1) that must be answered within the three quarters left."""
         while True:
-            if await self._readable(self.liveness / 2):
+            if await self._readable(self.liveness / 4):
                 self._drain_notifies()
             else:
-                await self._ping()
+                await self._ping(self.liveness * 3 / 4)
 
-    async def _ping(self) -> None:
+    async def _ping(self, within: float) -> None:
+        """Ask the server a question (SELECT 1) and wait up to ``within`` seconds for its answer; if none
+        comes, close the session (nothing more is sent on it, so releasing it needs no round trip)
+        and raise OperationalError. Cancelled meanwhile (the call ended), the answer is left to be
+        read by the session's next statement, under its own deadline, never here: this must not
+        block the event loop."""
         pgconn = self.conn.pgconn
         pgconn.send_query(b"SELECT 1")
         pgconn.flush()
-        deadline = time.monotonic() + self.liveness
-        try:
-            while True:
-                pgconn.consume_input()
-                while pgconn.notifies() is not None:
-                    pass
-                if not pgconn.is_busy():
-                    while pgconn.get_result() is not None:
-                        pass
-                    return
-                if not await self._readable(max(0.0, deadline - time.monotonic())) \
-                        and time.monotonic() >= deadline:
-                    self.conn.close()  # nothing more is sent on it; releasing it needs no round trip
-                    raise psycopg.OperationalError(
-                        f"the lock session was silent for {self.liveness:g}s (no answer to a liveness check)")
-        except asyncio.CancelledError:
-            # The call ended with the question unanswered: read the answer before the session is used
-            # again, within what is left of the deadline (the fuse cuts a session that stays silent).
-            with self._fused(max(0.0, deadline - time.monotonic())), contextlib.suppress(psycopg.Error):
+        self._unanswered = True
+        deadline = time.monotonic() + within
+        while True:
+            pgconn.consume_input()
+            while pgconn.notifies() is not None:
+                pass
+            if not pgconn.is_busy():
                 while pgconn.get_result() is not None:
                     pass
-            raise
+                self._unanswered = False
+                return
+            if not await self._readable(max(0.0, deadline - time.monotonic())) and time.monotonic() >= deadline:
+                self.conn.close()
+                raise psycopg.OperationalError(
+                    f"the lock session was silent for {self.liveness:g}s (no answer to a liveness check)")
 
     def release(self) -> None:
         """Give the slot back with a checked unlock, and close the session."""
