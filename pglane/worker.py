@@ -77,6 +77,7 @@ log = logging.getLogger("pglane.worker")
 EXIT_OK = 0
 EXIT_UNSTORED = 69  # EX_UNAVAILABLE: stopped while the database was unreachable, an outcome unwritten
 SESSION_ENDS = (psycopg.Error, NoSlotHeld, DatabaseUnavailable)  # what ends a session: back to connecting
+READ_ONLY = "25006"  # read_only_sql_transaction: what a standby or a demoted primary answers a write
 EMPTY_CLAIM_GAP = 0.02  # at most 50 claims a second that find nothing, however many wake-ups come
 
 
@@ -446,7 +447,11 @@ def _log_retry(state: RetryCallState) -> None:
 
 
 def _log_session_end(exc: BaseException | None, then: str) -> None:
-    if isinstance(exc, DatabaseUnavailable):
+    """One line per session that ended (so one per backoff step: never a flood), saying why."""
+    if isinstance(exc, psycopg.Error) and exc.sqlstate == READ_ONLY:
+        log.warning("the server is read-only (a standby, or a primary being demoted: %s); %s; point the DSN at "
+                    "the primary, e.g. host=a,b target_session_attrs=read-write", first_line(exc), then)
+    elif isinstance(exc, DatabaseUnavailable):
         log.warning("cannot reach the database (%s); %s", first_line(exc), then)
     elif isinstance(exc, psycopg.OperationalError | NoSlotHeld):
         log.warning("lost the slot session (%s); %s", first_line(exc), then)

@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -482,3 +483,27 @@ def test_the_logged_statement_for_an_unstored_failure_stores_its_text_exactly(co
     with pglane.connect(conn.info.dsn) as elsewhere:  # the token lets any session store it
         assert (elsewhere.execute(statement).fetchone() or {}).get("fail") is True
     assert pglane.attempts(conn, job.id)[0]["error"] == error
+
+
+def test_a_read_only_server_gets_one_log_line_per_backoff_step_and_the_worker_resumes_when_writable(
+    dsn: str, conn: Any, lane: str, workers: Workers
+) -> None:
+    from psycopg import sql
+
+    database = sql.Identifier(conn.info.dbname)
+    proc = workers.start(lane, "tests.handlers:paid_call", "--poll-interval", "0.2")
+    pid = wait_idle(conn, lane)
+    conn.execute(sql.SQL("ALTER DATABASE {} SET default_transaction_read_only = on").format(database))
+    try:
+        terminate(conn, pid)  # as a demotion ends every session: the new ones are read-only
+        wait_until(lambda: Workers.log(proc).count("the server is read-only") >= 6, 30, "six backoff steps")
+        stamps = [datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f") for line in Workers.log(proc).splitlines()
+                  if "the server is read-only" in line]
+        # One line per backoff step (0.1 s doubling): the first six span 0.1 + 0.2 + ... + 1.6 s = 3.1 s.
+        assert (stamps[5] - stamps[0]).total_seconds() >= 2.5, f"a flood: {len(stamps)} lines {stamps}"
+        assert "target_session_attrs=read-write" in Workers.log(proc)
+    finally:
+        conn.execute(sql.SQL("ALTER DATABASE {} RESET default_transaction_read_only").format(database))
+    job = pglane.enqueue(conn, lane, {})
+    wait_until(lambda: status(conn, job) == "done", 30, "the worker to resume on a writable server")
+    assert proc.poll() is None
