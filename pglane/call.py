@@ -40,6 +40,7 @@ log = logging.getLogger("pglane.worker")
 
 EXIT_HUNG = 75  # EX_TEMPFAIL: a handler outlived the hard timeout; restart the process
 QUICK_CALL = 0.05  # calls shorter than this run without a session watcher (saves a task per job)
+RECORD_HUNG = 0.5  # at most this long to record a hung call timed_out before the process ends it
 
 
 class Watchdog(threading.Thread):
@@ -74,9 +75,14 @@ class Watchdog(threading.Thread):
     def _fire(self, claim: Claim) -> None:
         log.error("attempt %s: the handler blocked the worker past its hard timeout; recording it "
                   "timed_out and ending the process (exit %s)", claim.job.attempt_id, EXIT_HUNG)
-        with contextlib.suppress(Exception), psycopg.connect(self.dsn, autocommit=True, connect_timeout=5) as conn:
-            conn.execute(queries.FAIL, (claim.job.attempt_id, "timed out: the handler blocked past the worker's "
-                                        "hard timeout; the process was recycled", True, claim.token))
+        def record() -> None:
+            with contextlib.suppress(Exception), psycopg.connect(self.dsn, autocommit=True, connect_timeout=5) as c:
+                c.execute(queries.FAIL, (claim.job.attempt_id, "timed out: the handler blocked past the worker's "
+                                         "hard timeout; the process was recycled", True, claim.token))
+
+        recorder = threading.Thread(target=record, daemon=True)  # briefly: the call runs on until the exit
+        recorder.start()
+        recorder.join(RECORD_HUNG)
         os._exit(EXIT_HUNG)
 
 
@@ -153,8 +159,8 @@ class Caller:
         recovery marks it lost instead) and end the process, the only way to stop a thread."""
         reason = (f"timed out: the handler ignored cancellation past the worker's hard timeout of "
                   f"{self.hard_timeout:g}s; the process was recycled")
-        with contextlib.suppress(psycopg.Error):
-            session.execute(queries.FAIL, (claim.job.attempt_id, reason, True, claim.token))
+        with contextlib.suppress(psycopg.Error):  # briefly: the call runs on until the process ends
+            session.execute(queries.FAIL, (claim.job.attempt_id, reason, True, claim.token), within=RECORD_HUNG)
         log.error("attempt %s of job %s: the handler ignored cancellation past the hard timeout; recorded "
                   "timed_out, recycling the process (exit %s)", claim.job.attempt_id, claim.job.id, EXIT_HUNG)
         logging.shutdown()

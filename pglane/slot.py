@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -101,18 +102,36 @@ class LockSession:
         self._fuse.start()
         self._unanswered = False  # a liveness question whose answer is still to be read (see _ping)
 
-    def execute(self, query: LiteralString | sql.Composed, params: Any = None) -> dict[str, Any] | None:
-        """Run one statement on the session under the liveness deadline; its first row (None if none)."""
-        self._fuse.deadline = time.monotonic() + self.liveness
+    def execute(self, query: LiteralString | sql.Composed, params: Any = None,
+                within: float | None = None) -> dict[str, Any] | None:
+        """Run one statement on the session under the liveness deadline (or a shorter one, ``within``
+        seconds); its first row (None if none)."""
+        deadline = time.monotonic() + (self.liveness if within is None else min(within, self.liveness))
+        self._fuse.deadline = deadline
         try:
             if self._unanswered:  # first the answer to the question a finished call left open
-                while self.conn.pgconn.get_result() is not None:
-                    pass
-                self._unanswered = False
+                self._read_answer(deadline)
             cur = self.conn.execute(query, params)
             return cur.fetchone() if cur.description is not None else None
         finally:
             self._fuse.deadline = None
+
+    def _read_answer(self, deadline: float) -> None:
+        """Read the answer to an open liveness question by ``deadline``, waiting in select() (which lets
+        other threads run: libpq's own blocking read would hold the GIL, and so stop the fuse and the
+        watchdog); OperationalError when none comes."""
+        pgconn = self.conn.pgconn
+        while True:
+            pgconn.consume_input()
+            if not pgconn.is_busy():
+                while pgconn.get_result() is not None:  # buffered: returns at once
+                    pass
+                self._unanswered = False
+                return
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.conn.fileno()], [], [], left)[0]:
+                self.conn.close()
+                raise psycopg.OperationalError("the lock session was silent: no answer to a liveness check")
 
     @classmethod
     def connect(cls, dsn: str, lane_id: int, slots: int, name: str, liveness: float = LIVENESS) -> LockSession:

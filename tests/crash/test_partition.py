@@ -145,3 +145,24 @@ def test_a_silent_or_one_way_partition_during_a_call_is_noticed_within_the_liven
         assert noticed <= liveness + 1.0  # a quarter of it quiet, three quarters for an answer; 1 s for the loop
         wait_until(lambda: pglane.job_status(conn, job)["status"] == "done", 30, "the result, delivered late")
         assert ledger.calls() == [job]
+
+
+def test_a_cut_off_call_ends_before_its_lease_ends_on_the_server(
+    dsn: str, conn: Any, workers: Workers, ledger: Ledger
+) -> None:
+    # Self-fencing: a handler that ignores cancellation, on a worker whose network goes silent. The
+    # call's hard timeout counts from the claim's sending, so the process (and with it the call) ends
+    # before the lease the server started at the claim: by then nobody may have taken the job's slot.
+    pglane.create_lane(conn, "fenced", job_timeout=JOB_TIMEOUT, lease_timeout=LEASE, takeover="after_lease")
+    with NetProxy.for_dsn(dsn) as proxy:
+        proc = workers.start("fenced", "tests.handlers:ignores_cancellation", "--timeout", str(HARD_TIMEOUT),
+                             "--liveness", str(LIVENESS), env={"PGLANE_DSN": proxy.dsn_through(dsn)})
+        job = pglane.enqueue(conn, "fenced", {"sleep": 30})
+        wait_until(lambda: started(ledger, job), 30, "the call to start")
+        with fault(proxy, "silent"):
+            wait_until(lambda: proc.poll() is not None, 30, "the worker to end its hung call")
+            ended = conn.execute("SELECT now() AS t").fetchone()["t"]
+    assert proc.returncode == 75
+    lease = conn.execute("SELECT a.lease_expires_at FROM pglane.attempts a WHERE a.job_id = %s",
+                         (job,)).fetchone()["lease_expires_at"]
+    assert ended < lease, f"the call outlived its lease ({ended} >= {lease})"
