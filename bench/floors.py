@@ -130,7 +130,8 @@ def contract_drain(conn: psycopg.Connection[dict[str, Any]], n: int) -> float:
         if row is None or row["job_id"] is None:
             break
         handler(row["payload"])
-        row = conn.execute(queries.COMPLETE_AND_CLAIM, (row["attempt_id"], "null", FLOOR_LANE, "floor")).fetchone()
+        row = conn.execute(queries.COMPLETE_AND_CLAIM, (row["attempt_id"], "null", FLOOR_LANE, "floor",
+                                                        row["token"])).fetchone()
     elapsed = time.perf_counter() - t0
     conn.execute(queries.RELEASE_SLOT, (lid, 1))
     return elapsed
@@ -235,7 +236,8 @@ def listen_contract_main(dsn: str) -> int:
             job = conn.execute(queries.CLAIM, (LANE, "listen")).fetchone()
             while job is not None and job["job_id"] is not None:
                 procs.stamp(int(job["payload"].get("n", -1)))
-                job = conn.execute(queries.COMPLETE_AND_CLAIM, (job["attempt_id"], "null", LANE, "listen")).fetchone()
+                job = conn.execute(queries.COMPLETE_AND_CLAIM, (job["attempt_id"], "null", LANE, "listen",
+                                                                job["token"])).fetchone()
             for _ in conn.notifies(timeout=1.0, stop_after=1):
                 pass
     return 0

@@ -47,7 +47,7 @@ def claim_and_complete(conn: psycopg.Connection[dict[str, Any]], lane: str) -> f
     row = conn.execute(queries.CLAIM, (lane, "bench")).fetchone()
     elapsed = time.perf_counter() - t0
     assert row is not None and row["job_id"] is not None, "the backlog ran dry"
-    conn.execute(queries.COMPLETE, (row["attempt_id"], "null"))
+    conn.execute(queries.COMPLETE, (row["attempt_id"], "null", row["token"]))
     return elapsed
 
 
@@ -110,7 +110,7 @@ class Pglane(RealSystem):
             return time.time()
 
     def producer(self, dsn: str) -> AbstractAsyncContextManager[Put]:
-        return sql_producer(dsn, queries.ENQUEUE, lambda n: (LANE, f'{{"n": {n}}}', None, None))
+        return sql_producer(dsn, queries.ENQUEUE, lambda n: (LANE, f'{{"n": {n}}}', None, None, "error"))
 
 
 # ----- claim latency ---------------------------------------------------------------------------
@@ -174,9 +174,10 @@ def takeover(dsn: str, admin_dsn: str, kills: int, logs: Path) -> dict[str, Any]
                 with procs.running(args, logs / "takeover-standby.log", env) as standby:
                     wait_until(lambda: _slot_state(conn, lid)[1] == 1, 30, "the standby to wait")
                     first, second = 2 * k, 2 * k + 1
-                    conn.execute(queries.ENQUEUE, (TAKEOVER_LANE, f'{{"n": {first}, "sleep": 60}}', None, None))
+                    conn.execute(queries.ENQUEUE, (TAKEOVER_LANE, f'{{"n": {first}, "sleep": 60}}', None, None,
+                                                   "error"))
                     wait_until(procs.has_stamp(stamps_file, first), 30, "the active worker's call")
-                    conn.execute(queries.ENQUEUE, (TAKEOVER_LANE, f'{{"n": {second}}}', None, None))
+                    conn.execute(queries.ENQUEUE, (TAKEOVER_LANE, f'{{"n": {second}}}', None, None, "error"))
                     killed_at = time.time()
                     active.send_signal(signal.SIGKILL)
                     wait_until(procs.has_stamp(stamps_file, second), 30, "the standby to take over")
@@ -188,7 +189,7 @@ def takeover(dsn: str, admin_dsn: str, kills: int, logs: Path) -> dict[str, Any]
 
 # ----- enqueue throughput ----------------------------------------------------------------------
 
-def _one_by_one(query: LiteralString, lane: str, *rest: None) -> Callable[[psycopg.Connection[Any], int], None]:
+def _one_by_one(query: LiteralString, lane: str, *rest: str | None) -> Callable[[psycopg.Connection[Any], int], None]:
     """Job n enqueued with one autocommitted ``query`` each, its parameters (lane, payload, *rest)."""
     def run(conn: psycopg.Connection[Any], n: int) -> None:
         for i in range(n):
@@ -204,7 +205,7 @@ def _batch(conn: psycopg.Connection[Any], n: int) -> None:
 
 ENQUEUE_VARIANTS: dict[str, Callable[[psycopg.Connection[Any], int], None]] = {
     "insert": _one_by_one(INSERT, "enq"),
-    "enqueue_fn": _one_by_one(queries.ENQUEUE, "enq", None, None),  # key and run_after: none
+    "enqueue_fn": _one_by_one(queries.ENQUEUE, "enq", None, None, "error"),  # no key, no run_after
     "batch_executemany": _batch,
     "insert_unbounded_100k": _one_by_one(INSERT, "enq_unbounded"),
     "insert_bounded_100k": _one_by_one(INSERT, "enq_bounded"),

@@ -60,7 +60,7 @@ async def _contract_async(dsn: str, lid: int, n: int) -> float:
             if job is None or job["job_id"] is None:
                 break
             job = await (await conn.execute(queries.COMPLETE_AND_CLAIM, (job["attempt_id"], "null", FLOOR_LANE,
-                                                                        "floor"))).fetchone()
+                                                                        "floor", job["token"]))).fetchone()
         elapsed = time.perf_counter() - t0
         await conn.execute(queries.RELEASE_SLOT, (lid, 1))
         return elapsed
@@ -231,7 +231,7 @@ def _cold_claims(server: Any, count: int) -> list[str]:
             row = floor.execute(floors.COMPLETE_AND_CLAIM, {"prev": None}).fetchone()
             times["floor_listen's statement"].append(time.perf_counter() - started)
             assert job is not None and row is not None
-            pg_other.execute(queries.COMPLETE, (job["attempt_id"], None))
+            pg_other.execute(queries.COMPLETE, (job["attempt_id"], None, job["token"]))
             floor_other.execute(floors.COMPLETE, {"prev": row[0]})
         rows = admin.execute(
             "SELECT mean_exec_time, toplevel, regexp_replace(query, '\\s+', ' ', 'g') FROM pg_stat_statements"

@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -16,6 +17,8 @@ import psycopg
 from . import client, schema, timing
 from .errors import ConfigurationError, PglaneError, first_line, translate
 from .job import JOB_STATUSES
+
+EXIT_FULL = 3  # enqueue --if-full skip met a full lane: nothing was written
 
 
 def _table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
@@ -89,6 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     enq.add_argument("lane")
     enq.add_argument("payload", type=_payload, help="a JSON object or array")
     enq.add_argument("--key", help="idempotency key: the same key returns the same job")
+    enq.add_argument("--if-full", choices=("error", "skip"), default="error",
+                     help="on a full bounded lane: an error (default), or skip: exit 3, nothing written, "
+                     "no ERROR in the server's log")
 
     w = sub.add_parser("worker", help="run a worker for one lane")
     w.add_argument("lane")
@@ -136,6 +142,8 @@ def _parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("prune", help="delete finished jobs (and their attempts) older than a duration")
     pr.add_argument("--older-than", required=True, type=_duration, help="e.g. 7d, 12h, 90m")
     pr.add_argument("--lane")
+    pr.add_argument("--batch", type=int, default=5000,
+                    help="delete at most this many jobs per transaction (default 5000); interrupt at will")
     pr.add_argument("--include-failed", action="store_true",
                     help="also delete failed jobs, whose attempts explain what may have been paid")
 
@@ -220,7 +228,11 @@ def _command(conn: Any, args: argparse.Namespace) -> int:
                                      takeover=args.takeover.replace("-", "_"))
         print(f"lane {args.name} created (id {lane_id})")
     elif cmd == "enqueue":
-        print(client.enqueue(conn, args.lane, args.payload, key=args.key))
+        job = client.enqueue(conn, args.lane, args.payload, key=args.key, if_full=args.if_full)
+        if job is None:
+            print(f"pglane: lane {args.lane} is full: nothing was enqueued; try again later", file=sys.stderr)
+            return EXIT_FULL
+        print(job)
     elif cmd == "status":
         rows = client.lane_status(conn)
         print(_json(rows) if args.json else _table(rows, (
@@ -248,7 +260,7 @@ def _command(conn: Any, args: argparse.Namespace) -> int:
         done = client.retry(conn, args.job) if cmd == "retry" else client.cancel(conn, args.job)
         print(_json({"job_id": args.job, cmd: done}) if args.json else f"job {args.job}: {cmd} done")
     elif cmd == "prune":
-        print(client.prune(conn, args.older_than, lane=args.lane, include_failed=args.include_failed))
+        print(_prune(conn, args))
     elif cmd == "recover":
         return _recover(conn, args)
     elif cmd == "release-lease":
@@ -257,6 +269,35 @@ def _command(conn: Any, args: argparse.Namespace) -> int:
     elif cmd == "check":
         return _check(conn, args)
     return 0
+
+
+def _prune(conn: Any, args: argparse.Namespace) -> int:
+    """Prune in batches, showing progress on stderr: a bar with rate and ETA on a terminal, a plain
+    line per 10 % elsewhere."""
+    if args.batch < 1:
+        raise ConfigurationError("--batch must be at least 1")
+    total = client.prunable(conn, args.older_than, lane=args.lane, include_failed=args.include_failed)
+    started, shown = time.monotonic(), -1
+
+    def progress(done: int) -> None:
+        nonlocal shown
+        elapsed = max(time.monotonic() - started, 1e-6)
+        rate = done / elapsed
+        share = min(done / total, 1.0) if total else 1.0
+        eta = (total - done) / rate if rate > 0 and total > done else 0.0
+        if sys.stderr.isatty():
+            bar = "#" * int(share * 30)
+            print(f"\rpruning [{bar:<30}] {done}/{total} jobs, {rate:,.0f}/s, ETA {eta:.0f}s", end="",
+                  file=sys.stderr, flush=True)
+        elif int(share * 10) > shown:
+            shown = int(share * 10)
+            print(f"pruned {done} of {total} jobs ({share:.0%}), {rate:,.0f}/s, ETA {eta:.0f}s", file=sys.stderr)
+
+    deleted = client.prune(conn, args.older_than, lane=args.lane, include_failed=args.include_failed,
+                           batch=args.batch, progress=progress)
+    if sys.stderr.isatty() and deleted:
+        print(file=sys.stderr)
+    return deleted
 
 
 def _recover(conn: Any, args: argparse.Namespace) -> int:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any, LiteralString
+from typing import Any, Literal, LiteralString, overload
 
 import psycopg
 from psycopg.rows import dict_row
@@ -71,7 +71,7 @@ def translated() -> Iterator[None]:
 # Every statement here runs with prepare=False, never as a server-side prepared statement: producers and
 # operators may connect through a transaction-mode pooler (PgBouncer), where a statement psycopg prepared
 # on one server session is missing on the next ("prepared statement "_pg3_0" does not exist").
-def _one(conn: psycopg.Connection[Row], query: LiteralString, params: tuple[Any, ...]) -> Row:
+def _one(conn: psycopg.Connection[Row], query: LiteralString, params: tuple[Any, ...] | dict[str, Any]) -> Row:
     with translated():
         row = conn.execute(query, params, prepare=False).fetchone()
     if row is None:  # every query given here returns exactly one row
@@ -124,6 +124,12 @@ def lanes(conn: psycopg.Connection[Row]) -> list[Row]:
 _EMPTY: Any = object()  # enqueue() was given no payload: the job's is {}
 
 
+@overload
+def enqueue(conn: psycopg.Connection[Row], lane: str, payload: Any = ..., *, key: str | None = ...,
+            run_after: datetime | None = ..., if_full: Literal["error"] = ...) -> int: ...
+@overload
+def enqueue(conn: psycopg.Connection[Row], lane: str, payload: Any = ..., *, key: str | None = ...,
+            run_after: datetime | None = ..., if_full: Literal["skip"]) -> int | None: ...
 def enqueue(
     conn: psycopg.Connection[Row],
     lane: str,
@@ -131,12 +137,15 @@ def enqueue(
     *,
     key: str | None = None,
     run_after: datetime | None = None,
-) -> int:
+    if_full: Literal["error", "skip"] = "error",
+) -> int | None:
     """Add a job and return its id; the same key returns the existing job (see pglane.enqueue). A
-    payload is a JSON object or array; given none, it is ``{}``; ``None`` is refused like any scalar."""
+    payload is a JSON object or array; given none, it is ``{}``; ``None`` is refused like any scalar.
+    On a full bounded lane: LaneFull (``if_full="error"``), or None with nothing written and no error
+    in the server's log (``if_full="skip"``: for producers that retry anyway)."""
     text = "{}" if payload is _EMPTY else payload_json(payload)
-    row = _one(conn, queries.ENQUEUE, (lane, text, key, run_after))
-    return int(row["enqueue"])
+    row = _one(conn, queries.ENQUEUE, (lane, text, key, run_after, if_full))
+    return None if row["enqueue"] is None else int(row["enqueue"])
 
 
 def lane_status(conn: psycopg.Connection[Row]) -> list[Row]:
@@ -191,9 +200,28 @@ def release_lease(conn: psycopg.Connection[Row], attempt_id: int) -> bool:
 
 
 def prune(conn: psycopg.Connection[Row], older_than: float, *, lane: str | None = None,
-          include_failed: bool = False) -> int:
-    """Delete finished jobs older than ``older_than`` seconds (failed ones only if asked); returns how many."""
-    return int(_one(conn, queries.PRUNE, (older_than, lane, include_failed))["prune"])
+          include_failed: bool = False, batch: int | None = None,
+          progress: Callable[[int], object] | None = None) -> int:
+    """Delete finished jobs older than ``older_than`` seconds (failed ones only if asked); returns how many.
+    With ``batch``, in steps of at most that many jobs, each in its own short transaction (the
+    connection must be in autocommit), ``progress`` called with the total so far after each: it may
+    be interrupted at any step and run again."""
+    if batch is None:
+        return int(_one(conn, queries.PRUNE, (older_than, lane, include_failed))["prune"])
+    total, after = 0, 0
+    while True:
+        row = _one(conn, queries.PRUNE_BATCH, (older_than, lane, include_failed, after, batch))
+        if row["last_id"] is None:
+            return total
+        total, after = total + int(row["deleted"]), int(row["last_id"])
+        if progress is not None:
+            progress(total)
+
+
+def prunable(conn: psycopg.Connection[Row], older_than: float, *, lane: str | None = None,
+             include_failed: bool = False) -> int:
+    """How many jobs prune() would delete now (one read of the history)."""
+    return int(_one(conn, queries.PRUNABLE, {"age": older_than, "lane": lane, "failed": include_failed})["n"])
 
 
 def stuck_attempts(conn: psycopg.Connection[Row], lane: str | None = None) -> list[Row]:

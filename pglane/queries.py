@@ -5,7 +5,7 @@ No statement is built from user input: lane names, payloads and keys are always 
 
 from typing import LiteralString
 
-ENQUEUE: LiteralString = "SELECT pglane.enqueue(%s, %s::jsonb, %s, %s)"
+ENQUEUE: LiteralString = "SELECT pglane.enqueue(%s, %s::jsonb, %s, %s, %s)"
 CLAIM: LiteralString = "SELECT * FROM pglane.claim(%s, %s)"
 CLAIM_OR_WAIT: LiteralString = "SELECT * FROM pglane.claim_or_wait(%s, %s)"  # the worker's: always a row
 # An outcome carries the attempt's token (claim() returned it): any session holding it may write.
@@ -18,6 +18,12 @@ RETRY: LiteralString = "SELECT pglane.retry(%s)"
 CANCEL: LiteralString = "SELECT pglane.cancel(%s)"
 STUCK: LiteralString = "SELECT * FROM pglane.stuck_attempts(%s) ORDER BY attempt_id"
 PRUNE: LiteralString = "SELECT pglane.prune(make_interval(secs => %s), %s, %s)"
+PRUNE_BATCH: LiteralString = "SELECT * FROM pglane.prune_batch(make_interval(secs => %s), %s, %s, %s, %s)"
+PRUNABLE: LiteralString = (  # how many jobs a prune would delete: one read of the history, for its progress
+    "SELECT count(*) AS n FROM pglane.jobs j WHERE j.finished_at < now() - make_interval(secs => %(age)s)"
+    " AND (%(lane)s::text IS NULL OR j.lane = %(lane)s)"
+    " AND (j.status IN ('done', 'cancelled') OR (%(failed)s AND j.status = 'failed'))"
+)
 TERMINATE: LiteralString = "SELECT pg_terminate_backend(%s)"
 LIVE_SESSIONS: LiteralString = "SELECT count(*) AS n FROM pg_stat_activity WHERE pid = ANY(%s)"  # of these pids
 

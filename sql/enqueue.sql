@@ -104,7 +104,18 @@ CREATE TRIGGER jobs_after_insert AFTER INSERT ON pglane.jobs
     REFERENCING NEW TABLE AS new_jobs
     FOR EACH STATEMENT EXECUTE FUNCTION pglane.jobs_after_insert();
 
--- enqueue: add a job and return its id. The same key again returns the existing job's id, whatever
+-- lane_is_full: whether bounded lane p_lane holds max_queued queued jobs; takes the admissions row
+-- lock (until the caller's transaction ends), so that the answer holds until it inserts.
+CREATE OR REPLACE FUNCTION pglane.lane_is_full(p_lane text) RETURNS boolean
+LANGUAGE sql AS $$
+    SELECT l.max_queued IS NOT NULL
+           AND (SELECT a.admitted FROM pglane.lane_admissions a WHERE a.lane_id = l.id FOR UPDATE)
+               - (SELECT c.left_queue FROM pglane.lane_counters c WHERE c.lane_id = l.id) >= l.max_queued
+      FROM pglane.lanes l WHERE l.name = p_lane;
+$$;
+
+-- enqueue: add a job and return its id (p_if_full 'skip': NULL when the bounded lane is full, nothing
+-- written, no error). The same key again returns the existing job's id, whatever
 -- its status, and writes nothing; the same key with another payload is an error. A concurrent twin
 -- waits on the unique index for the first insert to commit, then finds it. A key another login
 -- enqueued is refused alike whatever the payload (PGL05), so that the answer reveals nothing of that
@@ -114,7 +125,8 @@ CREATE OR REPLACE FUNCTION pglane.enqueue(
     p_lane text,
     p_payload jsonb DEFAULT '{}',
     p_idempotency_key text DEFAULT NULL,
-    p_run_after timestamptz DEFAULT NULL
+    p_run_after timestamptz DEFAULT NULL,
+    p_if_full text DEFAULT 'error'
 ) RETURNS bigint
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
@@ -124,6 +136,20 @@ DECLARE
     v_existing jsonb;
     v_owner    text;
 BEGIN
+    IF p_if_full IS DISTINCT FROM 'error' THEN
+        IF p_if_full IS DISTINCT FROM 'skip' THEN
+            RAISE EXCEPTION USING ERRCODE = 'PGL10',
+                MESSAGE = format('p_if_full must be error or skip, not %L', p_if_full),
+                HINT = 'skip: return NULL when the lane is full; error (the default): raise PGL04';
+        END IF;
+        -- Skip: look at the bound under the admissions row lock, which the insert's check takes next
+        -- anyway, and stop before writing anything (and before any ERROR reaches the server log). A
+        -- repeated key still returns its job, full lane or not.
+        IF pglane.lane_is_full(p_lane) AND NOT EXISTS (
+               SELECT 1 FROM pglane.jobs j WHERE j.lane = p_lane AND j.idempotency_key = p_idempotency_key) THEN
+            RETURN NULL;
+        END IF;
+    END IF;
     INSERT INTO pglane.jobs AS j (lane, payload, idempotency_key, run_after)
     VALUES (p_lane, p_payload, p_idempotency_key, p_run_after)
     ON CONFLICT (lane, idempotency_key) DO NOTHING
