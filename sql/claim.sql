@@ -129,7 +129,8 @@ $$;
 -- may_write: whether the caller may write an outcome of an attempt whose token, session pid and
 -- session start are given: it holds the token, or, giving none, it is the claiming session itself
 -- (a consumer that claims and completes on one connection needs no token; a late result after a
--- reconnect does). Inlined into the guards below.
+-- reconnect does). Not inlined (its sub-select forbids it): the guards below test a matching token
+-- first, so the worker's completions never call it.
 CREATE OR REPLACE FUNCTION pglane.may_write(p_token uuid, p_attempt_token uuid, p_pid integer,
                                             p_backend_start timestamptz) RETURNS boolean
 LANGUAGE sql STABLE AS $$
@@ -174,7 +175,7 @@ BEGIN
     UPDATE pglane.jobs j SET status = 'done', finished_at = now(), result = p_result
       FROM pglane.attempts a
      WHERE a.id = p_attempt_id AND j.id = a.job_id AND j.status = 'running' AND j.attempts = a.attempt_number
-       AND pglane.may_write(p_token, a.token, a.backend_pid, a.backend_start);
+       AND (a.token = p_token OR pglane.may_write(p_token, a.token, a.backend_pid, a.backend_start));
     IF FOUND THEN
         UPDATE pglane.attempts a SET status = 'done', finished_at = now()
          WHERE a.id = p_attempt_id AND a.status = 'running';
@@ -247,7 +248,7 @@ BEGIN
     p_error := pglane.bounded_error(coalesce(nullif(btrim(p_error, E' \t\r\n'), ''),
                         'failed without a reason: the consumer called pglane.fail() with an empty error'));
     IF NOT EXISTS (SELECT 1 FROM pglane.attempts a WHERE a.id = p_attempt_id
-                      AND pglane.may_write(p_token, a.token, a.backend_pid, a.backend_start)) THEN
+                      AND (a.token = p_token OR pglane.may_write(p_token, a.token, a.backend_pid, a.backend_start))) THEN
         IF EXISTS (SELECT 1 FROM pglane.attempts a WHERE a.id = p_attempt_id) THEN
             PERFORM pglane.not_the_claimer(p_attempt_id);
         END IF;

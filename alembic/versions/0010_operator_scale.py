@@ -8,6 +8,8 @@ Create Date: 2026-12-03
   lane is full, nothing written and no ERROR in the server log). The four-argument function is
   replaced, so its grant is given again.
 - pglane.prune_batch(): one bounded, resumable step of a prune in a transaction of its own.
+- complete() and fail() test a matching token before calling may_write(), which cannot be inlined:
+  a worker's completion no longer pays for a function call (about 20 us).
 """
 
 from alembic import op
@@ -18,7 +20,7 @@ down_revision = "0009"
 branch_labels = None
 depends_on = None
 
-APPLIES = ("enqueue.sql", "history.sql")
+APPLIES = ("enqueue.sql", "history.sql", "claim.sql")
 
 
 def upgrade() -> None:
@@ -41,4 +43,5 @@ def downgrade() -> None:
     )
     apply_sql("0008", ("enqueue.sql",))
     apply_sql("0006", ("history.sql",))
+    apply_sql("0009", ("claim.sql",))
     op.execute("GRANT EXECUTE ON FUNCTION pglane.enqueue(text, jsonb, text, timestamptz) TO pglane_producer")
