@@ -1,0 +1,169 @@
+-- Views for operators: the state of every lane and job, and the next safe action, from one query.
+-- Everything is computed from the database clock (now()), never a worker's.
+-- CREATE OR REPLACE keeps the grants of revision 0002 when a later revision re-applies this file; a
+-- change to a view's columns other than adding one at the end needs its own DROP in that revision.
+
+-- lease_wait_note: why a strict lane takes no job, and the way out.
+CREATE OR REPLACE FUNCTION pglane.lease_wait_note(p_lane text, p_attempt bigint, p_until timestamptz) RETURNS text
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT format('wait: the worker of lost attempt %s may still be calling; lane %s takes its next job when '
+                  'that lease ends at %s. If you know that worker is stopped: pglane release-lease %s',
+                  p_attempt, p_lane, p_until, p_attempt);
+$$;
+
+-- lane_consumers: how many sessions hold a slot of the lane right now (session advisory locks).
+CREATE OR REPLACE FUNCTION pglane.lane_consumers(p_lane_id integer, p_slots integer) RETURNS integer
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
+    SELECT count(DISTINCT h.pid)::integer FROM pglane.slot_holders h
+     WHERE h.lane_id = p_lane_id AND h.slot <= p_slots AND h.granted AND h.mode = 'ExclusiveLock';
+$$;
+
+-- slot_sessions: who holds or waits for each slot right now, with the session's role and application;
+-- `squatter` marks a granted lock that is not a pglane worker's: a shared lock (it keeps every worker
+-- out of the slot), or a session whose role is not a member of pglane_worker.
+CREATE OR REPLACE VIEW pglane.slot_sessions AS
+SELECT h.lane_id, h.lane, h.slot, h.pid, h.mode, h.granted, s.usename::text AS role, s.application_name,
+       h.granted AND (h.mode <> 'ExclusiveLock' OR s.usename IS NULL
+                      OR NOT pg_has_role(s.usename, 'pglane_worker', 'USAGE')) AS squatter
+  FROM pglane.slot_holders h
+  LEFT JOIN pg_catalog.pg_stat_activity s ON s.pid = h.pid;
+
+CREATE OR REPLACE VIEW pglane.lane_status AS
+WITH counts AS (
+    SELECT j.lane,
+           count(*) FILTER (WHERE j.status = 'queued') AS queued,
+           count(*) FILTER (WHERE j.status = 'queued' AND j.run_after <= now()) AS eligible,
+           count(*) FILTER (WHERE j.status = 'running') AS running,
+           count(*) FILTER (WHERE j.status = 'done') AS done,
+           count(*) FILTER (WHERE j.status = 'failed') AS failed,
+           count(*) FILTER (WHERE j.status = 'cancelled') AS cancelled,
+           min(j.created_at) FILTER (WHERE j.status = 'queued') AS oldest_queued,
+           min(greatest(j.created_at, j.run_after)) FILTER (WHERE j.status = 'queued' AND j.run_after <= now())
+               AS oldest_eligible,
+           count(*) FILTER (WHERE j.created_at > now() - interval '5 minutes') AS arrived_5m,
+           count(*) FILTER (WHERE j.finished_at > now() - interval '5 minutes') AS finished_5m
+      FROM pglane.jobs j
+     GROUP BY j.lane
+), attempts_now AS (
+    SELECT ra.lane, count(*) FILTER (WHERE NOT ra.alive) AS orphaned,
+           count(*) FILTER (WHERE ra.alive AND ra.past_lease) AS stuck
+      FROM pglane.running_attempts ra
+     GROUP BY ra.lane
+), holders AS (
+    SELECT ss.lane_id,
+           jsonb_agg(jsonb_build_object('slot', ss.slot, 'pid', ss.pid, 'role', ss.role,
+                                        'application', ss.application_name, 'mode', ss.mode,
+                                        'granted', ss.granted, 'squatter', ss.squatter)
+                     ORDER BY ss.slot, ss.granted DESC, ss.pid) AS holders,
+           (array_agg(format('end session %s (role %s, application %L), which holds slot %s of lane %s with a %s '
+                             'but is not a pglane worker: SELECT pg_terminate_backend(%s); then keep it out '
+                             '(REVOKE CONNECT, or revoke its role''s membership)',
+                             ss.pid, coalesce(ss.role, '?'), coalesce(ss.application_name, ''), ss.slot,
+                             ss.lane, ss.mode, ss.pid) COLLATE "default" ORDER BY ss.slot)
+                FILTER (WHERE ss.squatter))[1] AS squatter_action,
+           count(*) FILTER (WHERE ss.squatter) AS squatters
+      FROM pglane.slot_sessions ss
+     GROUP BY ss.lane_id
+), base AS (
+    SELECT l.name AS lane, l.id AS lane_id, l.slots, pglane.lane_consumers(l.id, l.slots) AS consumers,
+           coalesce(c.queued, 0) AS queued, coalesce(c.eligible, 0) AS eligible,
+           coalesce(c.running, 0) AS running, coalesce(c.done, 0) AS done,
+           coalesce(c.failed, 0) AS failed, coalesce(c.cancelled, 0) AS cancelled,
+           now() - c.oldest_queued AS oldest_queued_age,
+           now() - c.oldest_eligible AS oldest_eligible_age,
+           coalesce(c.arrived_5m, 0) AS arrived_5m, coalesce(c.finished_5m, 0) AS finished_5m,
+           coalesce(an.orphaned, 0) AS orphaned, coalesce(an.stuck, 0) AS stuck,
+           l.max_queued, l.waiting_grace, l.job_timeout, l.lease_timeout, l.max_attempts,
+           coalesce(h.holders, '[]') AS holders, coalesce(h.squatters, 0) AS squatters, h.squatter_action,
+           l.takeover, f.in_flight, f.lost_attempt, f.lease_ends
+      FROM pglane.lanes l
+      LEFT JOIN counts c ON c.lane = l.name
+      LEFT JOIN attempts_now an ON an.lane = l.name
+      LEFT JOIN holders h ON h.lane_id = l.id
+      LEFT JOIN LATERAL pglane.in_flight(l.name) f ON true
+)
+SELECT b.lane, b.slots, b.consumers, b.queued, b.running, b.done, b.failed, b.cancelled,
+       b.oldest_queued_age, b.orphaned AS lost_workers, b.stuck, b.max_queued, b.max_attempts,
+       b.job_timeout, b.lease_timeout,
+       CASE
+           WHEN b.orphaned > 0 THEN
+               format('run: pglane recover %s (%s running attempt(s) lost their worker; a worker taking the slot does this too)',
+                      b.lane, b.orphaned)
+           WHEN b.stuck > 0 THEN
+               format('inspect %s stuck attempt(s) past their lease with the worker still connected '
+                      '(pglane jobs --lane %s --status running); end them with: pglane recover %s --terminate-stuck',
+                      b.stuck, b.lane, b.lane)
+           WHEN b.squatters > 0 THEN b.squatter_action
+           WHEN b.takeover = 'after_lease' AND b.in_flight >= b.slots AND b.lost_attempt IS NOT NULL AND b.queued > 0 THEN
+               pglane.lease_wait_note(b.lane, b.lost_attempt, b.lease_ends)
+           WHEN b.consumers = 0 AND b.queued > 0 THEN
+               format('start a worker for lane %s: pglane worker %s --handler MODULE:CALLABLE', b.lane, b.lane)
+           WHEN b.eligible > 0 AND b.oldest_eligible_age > b.waiting_grace AND b.arrived_5m > b.finished_5m THEN
+               format('backlog of lane %s is growing (%s queued, %s arrived and %s finished in 5 min): '
+                      'add slots and workers, or expect the oldest to wait longer', b.lane, b.queued,
+                      b.arrived_5m, b.finished_5m)
+           WHEN b.consumers = 0 THEN
+               format('nothing queued; start a worker for lane %s before work arrives', b.lane)
+           ELSE 'nothing to do'
+       END AS next_safe_action,
+       b.holders, b.squatters, b.takeover, b.in_flight,
+       CASE WHEN b.takeover = 'after_lease' AND b.in_flight >= b.slots THEN b.lease_ends END AS waits_until
+  FROM base b;
+
+-- queue_position counts the lane's queued jobs through the queue index (q.in_queue), so it costs
+-- the backlog, not the history. A producer sees the jobs it enqueued (caller()), nothing else; operators
+-- and workers see every job (sees_every_job, evaluated once per query). security_barrier: a caller's
+-- own conditions run only on the rows it may see, so no function of theirs reads another's row.
+CREATE OR REPLACE VIEW pglane.job_status WITH (security_barrier) AS
+SELECT j.id AS job_id, j.lane, j.status, j.created_at, j.run_after, j.started_at, j.finished_at,
+       (j.status = 'queued' AND greatest(j.created_at, j.run_after) < now() - l.waiting_grace) AS waiting_for_worker,
+       CASE WHEN j.status = 'queued' THEN
+           (SELECT count(*) FROM pglane.jobs q
+             WHERE q.lane = j.lane AND q.in_queue
+               AND CASE WHEN j.run_after <= now()
+                        THEN q.run_after <= now() AND (q.created_at, q.id) <= (j.created_at, j.id)
+                        ELSE q.run_after <= now() OR (q.run_after, q.created_at, q.id) <= (j.run_after, j.created_at, j.id)
+                   END)
+       END AS queue_position,
+       j.attempts, j.seq, j.idempotency_key, j.last_error,
+       a.id AS attempt_id, a.status AS attempt_status,
+       CASE j.status
+           WHEN 'queued' THEN CASE
+               WHEN j.run_after > now() THEN format('nothing to do: scheduled to run after %s', j.run_after)
+               WHEN l.takeover = 'after_lease' AND (SELECT f.in_flight >= l.slots AND f.lost_attempt IS NOT NULL
+                                                      FROM pglane.in_flight(j.lane) f) THEN
+                   (SELECT pglane.lease_wait_note(j.lane, f.lost_attempt, f.lease_ends) FROM pglane.in_flight(j.lane) f)
+               WHEN greatest(j.created_at, j.run_after) >= now() - l.waiting_grace THEN 'nothing to do: just queued'
+               WHEN pglane.lane_consumers(l.id, l.slots) = 0 THEN
+                   format('start a worker for lane %s: pglane worker %s --handler MODULE:CALLABLE', j.lane, j.lane)
+               ELSE format('wait: every slot of lane %s is busy; add slots and workers to go faster', j.lane)
+           END
+           WHEN 'running' THEN CASE
+               WHEN NOT pglane.session_alive(a.backend_pid, a.backend_start, l.id, l.slots) THEN
+                   format('run: pglane recover %s (the worker of attempt %s is gone)', j.lane, a.id)
+               WHEN now() > a.lease_expires_at THEN
+                   format('inspect stuck attempt %s: past its lease, worker %s (pid %s) still connected; '
+                          'end it with: pglane recover %s --terminate-stuck', a.id, a.worker, a.backend_pid, j.lane)
+               ELSE 'nothing to do: running'
+           END
+           WHEN 'failed' THEN CASE a.status
+               WHEN 'lost' THEN
+                   format('inspect attempt %s: worker lost during the call; retry only if you accept paying again: pglane retry %s',
+                          a.id, j.id)
+               WHEN 'timed_out' THEN
+                   format('inspect attempt %s: it ran past the lane''s job_timeout; raise the timeout or fix the handler, then: pglane retry %s',
+                          a.id, j.id)
+               ELSE format('inspect attempt %s: the handler failed; fix the cause, then: pglane retry %s', a.id, j.id)
+           END
+           WHEN 'cancelled' THEN format('nothing to do: cancelled (pglane retry %s runs it after all)', j.id)
+           ELSE 'nothing to do: done, result stored'
+       END AS next_safe_action,
+       j.result, j.enqueued_by
+  FROM pglane.jobs j
+  JOIN pglane.lanes l ON l.name = j.lane
+  LEFT JOIN pglane.attempts a ON a.job_id = j.id AND a.attempt_number = j.attempts
+ WHERE j.enqueued_by = (SELECT pglane.caller()) OR (SELECT pglane.sees_every_job(current_user));
