@@ -93,6 +93,13 @@ class InvalidLane(InvalidInput):
     """Lane settings out of range or contradictory (a CHECK refused them)."""
 
 
+class CostOverRate(InvalidInput):
+    """A job's cost exceeds its lane's rate limit, so it could never start (or a rate was lowered below
+    a queued job's cost): nothing was written."""
+
+    sqlstate = "PGL13"
+
+
 class UnknownJob(InvalidInput):
     sqlstate = "PGL09"
 
@@ -142,8 +149,8 @@ class InvalidTransition(PglaneError):
 # Named CHECK constraints (alembic owns them) and what to tell the user when one refuses a value.
 CONSTRAINT_HINTS: dict[str, str] = {
     "lane_lease_exceeds_job_timeout": (
-        "lease_timeout must be longer than job_timeout, or a running job could be handed to a "
-        "second worker; raise --lease-timeout or lower --job-timeout"
+        "R1 job_timeout < lease_timeout: lease_timeout must be longer than job_timeout, or a running job "
+        "could be handed to a second worker; raise --lease-timeout or lower --job-timeout"
     ),
     "lane_name_valid": (
         "lane names are 1-48 characters: a lowercase letter, then lowercase letters, digits or '_'"
@@ -158,6 +165,8 @@ CONSTRAINT_HINTS: dict[str, str] = {
     "lane_retry_backoff_range": "retry_backoff must be between 0 and 1 hour",
     "lane_max_result_range": "max_result_bytes must be between 1 byte and 256 MiB",
     "lane_takeover_valid": "takeover must be immediate or after_lease",
+    "lane_rate_valid": "a rate is 1 to 1,000,000 starts per period of 1 second to 1 day, e.g. 10/s or 60/min",
+    "job_cost_positive": "a job's cost is a whole number of at least 1",
     "job_status_valid": "job status must be one of queued, running, done, failed, cancelled",
     "attempt_status_valid": "attempt status must be one of running, done, failed, lost, timed_out",
 }

@@ -6,7 +6,9 @@
 
 -- claimed: the row a claim hands its worker, declared once for claim(), claim_impl() and
 -- complete_and_claim(). `completed` is set by complete_and_claim() only (whether the result it
--- delivered was accepted); a plain claim leaves it NULL. With no eligible job, every other column is NULL.
+-- delivered was accepted); a plain claim leaves it NULL. With no eligible job, every other column is NULL
+-- but wait_seconds and wait_reason: how long until a strict lane's lease ('lease') or a rate-limited
+-- lane's window ('rate') lets this slot start a job.
 -- (A type, so alembic owns it: see revision 0007.)
 
 -- claim_impl, complete_impl: the bodies of claim() and complete(), shared with complete_and_claim()
@@ -22,6 +24,11 @@ DECLARE
     v_try     integer;
     v_in_flight bigint;
     v_lease_ends timestamptz;
+    v_cost    integer;          -- a rate-limited lane's: the head job's cost
+    v_at      timestamptz;      -- a rate-limited lane's: when this start happens (after the counters lock)
+    v_window  bigint;           -- a rate-limited lane's: the cost started in the window ending at v_at
+    v_last_seq bigint;
+    v_expired bigint := 0;
     r         pglane.claimed;
 BEGIN
     SELECT * INTO v_lane FROM pglane.lanes l WHERE l.name = p_lane;
@@ -66,36 +73,86 @@ BEGIN
         SELECT f.in_flight, f.lease_ends INTO v_in_flight, v_lease_ends FROM pglane.in_flight(p_lane) f;
         IF v_in_flight >= v_lane.slots THEN
             r.wait_seconds := greatest(0, extract(epoch FROM v_lease_ends - now()));
+            r.wait_reason := 'lease';
             RETURN r;
         END IF;
     END IF;
 
-    SELECT j.id INTO r.job_id
-      FROM pglane.jobs j
-     WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()
-     ORDER BY j.created_at, j.id
-     LIMIT 1
-       FOR UPDATE SKIP LOCKED;
-    IF NOT FOUND THEN
-        RETURN r;
+    -- A rate-limited lane: a start of the head job's cost must fit the window ending now (exact: under
+    -- the counters row lock, which every claim of the lane takes, on the database clock read after
+    -- it). Looked at first without the lock: what that sees can only be less than the committed use
+    -- (starts it misses only add to it), so a refusal there is right, and writes nothing, not even
+    -- a row lock. With no room, nothing is claimed; wait_seconds says when this slot's turn comes.
+    IF v_lane.rate_limit IS NOT NULL THEN
+        SELECT j.cost INTO v_cost FROM pglane.jobs j
+         WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now() ORDER BY j.created_at, j.id LIMIT 1;
+        IF NOT FOUND THEN
+            RETURN r;
+        END IF;
+        FOR locked IN 0 .. 1 LOOP
+            IF locked = 1 THEN
+                PERFORM 1 FROM pglane.lane_counters c WHERE c.lane_id = v_lane.id FOR UPDATE;
+            END IF;
+            SELECT c.last_seq, c.window_cost INTO v_last_seq, v_window FROM pglane.lane_counters c
+             WHERE c.lane_id = v_lane.id;
+            v_at := clock_timestamp();
+            v_window := v_window - coalesce((SELECT sum(s.cost) FROM pglane.lane_starts s
+                                              WHERE s.lane_id = v_lane.id AND s.started_at <= v_at - v_lane.rate_period), 0);
+            IF locked = 1 THEN  -- the job itself, and its cost (the head may have changed meanwhile)
+                SELECT j.id, j.cost INTO r.job_id, v_cost FROM pglane.jobs j
+                 WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()
+                 ORDER BY j.created_at, j.id LIMIT 1 FOR UPDATE SKIP LOCKED;
+                IF NOT FOUND THEN
+                    RETURN r;
+                END IF;
+            END IF;
+            IF v_window + v_cost > v_lane.rate_limit THEN
+                -- This slot's turn: the start numbered like its slot (seq counts starts), so that the
+                -- lane's idle workers wake at successive openings, not all at the first.
+                r.job_id := NULL;
+                r.wait_reason := 'rate';
+                r.wait_seconds := greatest(0, extract(epoch FROM pglane.rate_wait(
+                    v_lane.id, v_lane.rate_limit, v_lane.rate_period, v_window, v_cost,
+                    (((v_slot - 1 - v_last_seq) % v_lane.slots + v_lane.slots) % v_lane.slots)::integer, v_at)
+                    - clock_timestamp()));
+                RETURN r;
+            END IF;
+        END LOOP;
+        WITH gone AS (DELETE FROM pglane.lane_starts s
+                       WHERE s.lane_id = v_lane.id AND s.started_at <= v_at - v_lane.rate_period RETURNING s.cost)
+        SELECT coalesce(sum(gone.cost), 0) INTO v_expired FROM gone;
+    ELSE
+        SELECT j.id INTO r.job_id
+          FROM pglane.jobs j
+         WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()
+         ORDER BY j.created_at, j.id
+         LIMIT 1
+           FOR UPDATE SKIP LOCKED;
+        IF NOT FOUND THEN
+            RETURN r;
+        END IF;
     END IF;
 
     UPDATE pglane.lane_counters c
        SET last_seq = c.last_seq + 1,
-           left_queue = c.left_queue + (v_lane.max_queued IS NOT NULL)::integer
+           left_queue = c.left_queue + (v_lane.max_queued IS NOT NULL)::integer,
+           window_cost = c.window_cost - v_expired + coalesce(v_cost, 0)
      WHERE c.lane_id = v_lane.id
     RETURNING c.last_seq INTO r.seq;
+    IF v_cost IS NOT NULL THEN
+        INSERT INTO pglane.lane_starts (lane_id, seq, started_at, cost) VALUES (v_lane.id, r.seq, v_at, v_cost);
+    END IF;
 
     UPDATE pglane.jobs j
-       SET status = 'running', started_at = now(), attempts = j.attempts + 1, seq = r.seq
+       SET status = 'running', started_at = coalesce(v_at, now()), attempts = j.attempts + 1, seq = r.seq
      WHERE j.id = r.job_id
     RETURNING j.attempts, j.payload, j.idempotency_key INTO r.attempt_number, r.payload, r.idempotency_key;
 
-    r.lease_expires_at := now() + v_lane.lease_timeout;
+    r.lease_expires_at := coalesce(v_at, now()) + v_lane.lease_timeout;
     INSERT INTO pglane.attempts AS a
-           (job_id, attempt_number, worker, backend_pid, backend_start, lease_expires_at, seq, token)
-    SELECT r.job_id, r.attempt_number, p_worker, pg_backend_pid(), s.backend_start, r.lease_expires_at, r.seq,
-           gen_random_uuid()
+           (job_id, attempt_number, worker, backend_pid, backend_start, started_at, lease_expires_at, seq, token)
+    SELECT r.job_id, r.attempt_number, p_worker, pg_backend_pid(), s.backend_start, coalesce(v_at, now()),
+           r.lease_expires_at, r.seq, gen_random_uuid()
       FROM pg_stat_get_activity(pg_backend_pid()) s
     RETURNING a.id, a.token INTO r.attempt_id, r.token;
     r.lane := p_lane;

@@ -10,8 +10,11 @@ AS $$
 DECLARE
     v_max_bytes integer;
     v_size      integer;
+    v_rate      integer;
+    v_period    interval;
 BEGIN
-    SELECT l.max_payload_bytes INTO v_max_bytes FROM pglane.lanes l WHERE l.name = NEW.lane;
+    SELECT l.max_payload_bytes, l.rate_limit, l.rate_period INTO v_max_bytes, v_rate, v_period
+      FROM pglane.lanes l WHERE l.name = NEW.lane;
     IF NOT FOUND THEN
         RAISE EXCEPTION USING ERRCODE = 'PGL01',
             MESSAGE = format('unknown lane %L', NEW.lane),
@@ -21,7 +24,7 @@ BEGIN
        OR NEW.started_at IS NOT NULL OR NEW.finished_at IS NOT NULL OR NEW.result IS NOT NULL THEN
         RAISE EXCEPTION USING ERRCODE = 'PGL10',
             MESSAGE = 'a new job must be inserted queued',
-            HINT = 'insert only lane, payload, idempotency_key and run_after; pglane sets the rest';
+            HINT = 'insert only lane, payload, idempotency_key, run_after and cost; pglane sets the rest';
     END IF;
     IF NEW.payload IS NULL OR jsonb_typeof(NEW.payload) NOT IN ('object', 'array') THEN
         RAISE EXCEPTION USING ERRCODE = 'PGL02',
@@ -54,6 +57,19 @@ BEGIN
             MESSAGE = format('idempotency key of %s characters; keys are 1 to 255 characters',
                              length(NEW.idempotency_key)),
             HINT = 'hash a long request identity down to a short key';
+    END IF;
+    -- cost: what the job's start counts against its lane's rate limit (1 unless given).
+    NEW.cost := coalesce(NEW.cost, 1);
+    IF NEW.cost < 1 THEN
+        RAISE EXCEPTION USING ERRCODE = 'PGL10',
+            MESSAGE = format('job cost %s; a cost is a whole number of at least 1', NEW.cost),
+            HINT = 'give the units the job uses of its lane''s rate (tokens, requests), or leave it at 1';
+    END IF;
+    IF NEW.cost > v_rate THEN
+        RAISE EXCEPTION USING ERRCODE = 'PGL13',
+            MESSAGE = format('job cost %s exceeds the rate of lane %L (%s): it could never start',
+                             NEW.cost, NEW.lane, pglane.rate_text(v_rate, v_period)),
+            HINT = 'split the job, or raise the lane''s rate: pglane lane set NAME --rate N/PERIOD';
     END IF;
     NEW.created_at := now();  -- service order is the server's, not the client's
     NEW.enqueued_by := pglane.caller();  -- producers see their own jobs only
@@ -115,7 +131,7 @@ LANGUAGE sql AS $$
 $$;
 
 -- enqueue: add a job and return its id (p_if_full 'skip': NULL when the bounded lane is full, nothing
--- written, no error). The same key again returns the existing job's id, whatever
+-- written, no error; p_cost: what its start counts against the lane's rate). The same key again returns the existing job's id, whatever
 -- its status, and writes nothing; the same key with another payload is an error. A concurrent twin
 -- waits on the unique index for the first insert to commit, then finds it. A key another login
 -- enqueued is refused alike whatever the payload (PGL05), so that the answer reveals nothing of that
@@ -126,7 +142,8 @@ CREATE OR REPLACE FUNCTION pglane.enqueue(
     p_payload jsonb DEFAULT '{}',
     p_idempotency_key text DEFAULT NULL,
     p_run_after timestamptz DEFAULT NULL,
-    p_if_full text DEFAULT 'error'
+    p_if_full text DEFAULT 'error',
+    p_cost integer DEFAULT 1
 ) RETURNS bigint
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
@@ -150,8 +167,8 @@ BEGIN
             RETURN NULL;
         END IF;
     END IF;
-    INSERT INTO pglane.jobs AS j (lane, payload, idempotency_key, run_after)
-    VALUES (p_lane, p_payload, p_idempotency_key, p_run_after)
+    INSERT INTO pglane.jobs AS j (lane, payload, idempotency_key, run_after, cost)
+    VALUES (p_lane, p_payload, p_idempotency_key, p_run_after, p_cost)
     ON CONFLICT (lane, idempotency_key) DO NOTHING
     RETURNING j.id INTO v_id;
     IF v_id IS NOT NULL THEN

@@ -49,7 +49,7 @@ CREATE TRIGGER lanes_after_insert AFTER INSERT ON pglane.lanes
 
 -- lanes_before_update: lane names are the jobs' foreign key and ids are lock keys: neither changes.
 -- When max_queued goes from unset to set, the queue depth (admitted - left_queue, maintained only for
--- bounded lanes) is recounted under both rows' locks.
+-- bounded lanes) is recounted under both rows' locks. When the rate limit is removed, its window goes.
 CREATE OR REPLACE FUNCTION pglane.lanes_before_update() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
@@ -65,6 +65,10 @@ BEGIN
         UPDATE pglane.lane_admissions a
            SET admitted = (SELECT count(*) FROM pglane.jobs j WHERE j.lane = NEW.name AND j.in_queue)
          WHERE a.lane_id = NEW.id;
+    END IF;
+    IF NEW.rate_limit IS NULL AND OLD.rate_limit IS NOT NULL THEN  -- unlimited: no window to keep
+        DELETE FROM pglane.lane_starts s WHERE s.lane_id = NEW.id;
+        UPDATE pglane.lane_counters c SET window_cost = 0 WHERE c.lane_id = NEW.id;
     END IF;
     RETURN NEW;
 END $$;
@@ -144,3 +148,183 @@ CREATE OR REPLACE FUNCTION pglane.notify_lane(p_lane_id integer) RETURNS void
 LANGUAGE sql AS $$
     SELECT pg_notify('pglane_' || p_lane_id, '');
 $$;
+
+-- Rate limits. A lane with rate_limit N and rate_period P starts at most N units of cost (jobs.cost,
+-- 1 by default) in any window of length P, cluster-wide: the claim counts, on the database clock,
+-- under the lane's counters row lock (see claim_impl). The starts still inside a window are rows of
+-- lane_starts, their sum lane_counters.window_cost (maintained by the claim, the only writer of both).
+
+-- parse_rate: '5/s', '60/min', '1000/h', '2/d', '100/10min' (a count before the unit multiplies it);
+-- NULL for 'none'. Raises PGL10 saying what is accepted.
+CREATE OR REPLACE FUNCTION pglane.parse_rate(p_rate text, OUT rate_limit integer, OUT rate_period interval)
+LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    m text[];
+BEGIN
+    IF lower(btrim(p_rate)) = 'none' THEN
+        RETURN;
+    END IF;
+    m := regexp_match(lower(coalesce(p_rate, '')),
+                      '^\s*([0-9]{1,7})\s*/\s*([0-9]{0,5})\s*(s|sec|second|m|min|minute|h|hour|d|day)s?\s*$');
+    IF m IS NULL OR m[1]::integer < 1 OR coalesce(nullif(m[2], ''), '1')::integer < 1 THEN
+        RAISE EXCEPTION USING ERRCODE = 'PGL10',
+            MESSAGE = format('rate %L is not N/PERIOD', p_rate),
+            HINT = 'give starts per period, e.g. 5/s, 60/min, 1000/h or 100/10min; none removes the limit';
+    END IF;
+    rate_limit := m[1]::integer;
+    rate_period := coalesce(nullif(m[2], ''), '1')::integer * CASE left(m[3], 1)
+        WHEN 's' THEN interval '1 second' WHEN 'm' THEN interval '1 minute'
+        WHEN 'h' THEN interval '1 hour' ELSE interval '1 day' END;
+END $$;
+
+-- rate_text: how a rate reads: '10/s', '60/min', '1000/h', '5/30s'.
+CREATE OR REPLACE FUNCTION pglane.rate_text(p_limit integer, p_period interval) RETURNS text
+LANGUAGE sql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT CASE
+        WHEN p_limit IS NULL THEN NULL
+        WHEN p_period = interval '1 second' THEN p_limit || '/s'
+        WHEN p_period = interval '1 minute' THEN p_limit || '/min'
+        WHEN p_period = interval '1 hour' THEN p_limit || '/h'
+        WHEN p_period = interval '1 day' THEN p_limit || '/d'
+        ELSE p_limit || '/' || extract(epoch FROM p_period)::bigint || 's'
+    END;
+$$;
+
+-- rate_wait: when a start of cost p_cost fits a lane's window (whose use is p_window at p_now) again
+-- after p_ahead other starts, each assumed to cost p_cost too. The claim gives each slot its own
+-- p_ahead (see claim_impl), so that the workers of a limited lane wake at different openings, one
+-- claim each, not all at the first. Reads lane_starts only; writes nothing.
+CREATE OR REPLACE FUNCTION pglane.rate_wait(p_lane_id integer, p_limit integer, p_period interval,
+                                            p_window bigint, p_cost integer, p_ahead integer,
+                                            p_now timestamptz) RETURNS timestamptz
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    WITH need AS (SELECT p_window + (p_ahead + 1)::bigint * p_cost - p_limit AS units),
+         live AS (SELECT s.started_at, sum(s.cost) OVER (ORDER BY s.started_at, s.seq) AS freed
+                    FROM pglane.lane_starts s
+                   WHERE s.lane_id = p_lane_id AND s.started_at > p_now - p_period)
+    SELECT coalesce((SELECT live.started_at FROM live, need WHERE live.freed >= need.units
+                      ORDER BY live.started_at LIMIT 1),
+                    (SELECT max(live.started_at) FROM live), p_now) + p_period;
+$$;
+
+-- rate_next_start: when lane p_lane may start a job of cost 1 again; NULL if it may now, or is not
+-- limited. For the operator's views: the claim decides with the exact cost and under the lock.
+CREATE OR REPLACE FUNCTION pglane.rate_next_start(p_lane text) RETURNS timestamptz
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT CASE WHEN u.used + 1 > l.rate_limit
+                THEN pglane.rate_wait(l.id, l.rate_limit, l.rate_period, u.used, 1, 0, now())
+           END
+      FROM pglane.lanes l
+      CROSS JOIN LATERAL (SELECT coalesce(sum(s.cost), 0) AS used FROM pglane.lane_starts s
+                           WHERE s.lane_id = l.id AND s.started_at > now() - l.rate_period) u
+     WHERE l.name = p_lane AND l.rate_limit IS NOT NULL;
+$$;
+
+-- set_lane: change lane p_lane's settings while its workers run; effective at each setting's next use
+-- (the next claim for slots, rate and takeover; each new attempt for the timeouts: a running attempt
+-- keeps the lease it was given). p_settings names what changes: slots, job_timeout, lease_timeout
+-- (seconds, or an interval such as '10 minutes'), max_attempts, max_queued (null: unbounded),
+-- rate ('10/s', null or 'none': unlimited), takeover, waiting_grace, retry_backoff, max_payload_bytes,
+-- max_result_bytes. Validated as lane create is (the lanes CHECKs, R1 among them); a lowered rate is
+-- refused while a queued job costs more than it allows (that job could never start). Returns what
+-- changed and what it means for running workers. Nothing changes when anything is refused.
+CREATE OR REPLACE FUNCTION pglane.set_lane(p_lane text, p_settings jsonb) RETURNS text
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
+DECLARE
+    v_old    pglane.lanes;
+    v_new    pglane.lanes;
+    v_key    text;
+    v_rate   record;
+    v_cost   integer;
+    v_note   text := '';
+    v_over   text;
+BEGIN
+    SELECT * INTO v_old FROM pglane.lanes l WHERE l.name = p_lane FOR UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'PGL01', MESSAGE = format('unknown lane %L', p_lane),
+            HINT = 'list the lanes with: pglane status';
+    END IF;
+    IF p_settings IS NULL OR jsonb_typeof(p_settings) <> 'object' OR p_settings = '{}' THEN
+        RAISE EXCEPTION USING ERRCODE = 'PGL10', MESSAGE = 'no settings to change',
+            HINT = 'give an object of settings, e.g. {"slots": 3, "rate": "60/min"}';
+    END IF;
+    FOR v_key IN SELECT jsonb_object_keys(p_settings) LOOP
+        IF v_key NOT IN ('slots', 'job_timeout', 'lease_timeout', 'max_attempts', 'max_queued', 'rate', 'takeover',
+                         'waiting_grace', 'retry_backoff', 'max_payload_bytes', 'max_result_bytes') THEN
+            RAISE EXCEPTION USING ERRCODE = 'PGL10', MESSAGE = format('unknown lane setting %L', v_key),
+                HINT = 'settings: slots, job_timeout, lease_timeout, max_attempts, max_queued, rate, takeover, '
+                       'waiting_grace, retry_backoff, max_payload_bytes, max_result_bytes';
+        END IF;
+        IF jsonb_typeof(p_settings -> v_key) = 'null' AND v_key NOT IN ('max_queued', 'rate') THEN
+            RAISE EXCEPTION USING ERRCODE = 'PGL10', MESSAGE = format('lane setting %s cannot be removed', v_key),
+                HINT = 'give it a value; only max_queued and rate can be none';
+        END IF;
+    END LOOP;
+    v_new := v_old;
+    BEGIN
+        v_new.slots := coalesce((p_settings ->> 'slots')::integer, v_old.slots);
+        v_new.max_attempts := coalesce((p_settings ->> 'max_attempts')::integer, v_old.max_attempts);
+        v_new.max_payload_bytes := coalesce((p_settings ->> 'max_payload_bytes')::integer, v_old.max_payload_bytes);
+        v_new.max_result_bytes := coalesce((p_settings ->> 'max_result_bytes')::integer, v_old.max_result_bytes);
+        v_new.job_timeout := coalesce((p_settings ->> 'job_timeout')::interval, v_old.job_timeout);
+        v_new.lease_timeout := coalesce((p_settings ->> 'lease_timeout')::interval, v_old.lease_timeout);
+        v_new.waiting_grace := coalesce((p_settings ->> 'waiting_grace')::interval, v_old.waiting_grace);
+        v_new.retry_backoff := coalesce((p_settings ->> 'retry_backoff')::interval, v_old.retry_backoff);
+        IF p_settings ? 'max_queued' THEN
+            v_new.max_queued := (p_settings ->> 'max_queued')::integer;
+        END IF;
+    EXCEPTION WHEN invalid_text_representation OR numeric_value_out_of_range OR invalid_datetime_format
+                   OR datetime_field_overflow OR interval_field_overflow THEN
+        RAISE EXCEPTION USING ERRCODE = 'PGL10', MESSAGE = format('lane settings %s: %s', p_settings, SQLERRM),
+            HINT = 'counts are whole numbers; timeouts are seconds or intervals such as ''10 minutes''';
+    END;
+    v_new.takeover := coalesce(replace(p_settings ->> 'takeover', '-', '_'), v_old.takeover);
+    IF p_settings ? 'rate' THEN
+        SELECT * INTO v_rate FROM pglane.parse_rate(coalesce(p_settings ->> 'rate', 'none'));
+        v_new.rate_limit := v_rate.rate_limit;
+        v_new.rate_period := v_rate.rate_period;
+        SELECT max(j.cost) INTO v_cost FROM pglane.jobs j WHERE j.lane = p_lane AND j.in_queue;
+        IF v_new.rate_limit < v_cost THEN
+            RAISE EXCEPTION USING ERRCODE = 'PGL13',
+                MESSAGE = format('rate %s is below the cost %s of a job queued on lane %s: it could never start',
+                                 pglane.rate_text(v_new.rate_limit, v_new.rate_period), v_cost, p_lane),
+                HINT = 'choose a rate of at least that many per period, or cancel the costly jobs first';
+        END IF;
+    END IF;
+    UPDATE pglane.lanes l
+       SET slots = v_new.slots, job_timeout = v_new.job_timeout, lease_timeout = v_new.lease_timeout,
+           max_attempts = v_new.max_attempts, max_queued = v_new.max_queued, rate_limit = v_new.rate_limit,
+           rate_period = v_new.rate_period, takeover = v_new.takeover, waiting_grace = v_new.waiting_grace,
+           retry_backoff = v_new.retry_backoff, max_payload_bytes = v_new.max_payload_bytes,
+           max_result_bytes = v_new.max_result_bytes
+     WHERE l.id = v_old.id;
+    IF v_new.slots < v_old.slots THEN
+        SELECT string_agg(format('slot %s (pid %s)', h.slot, h.pid), ', ' ORDER BY h.slot) INTO v_over
+          FROM pglane.slot_holders h WHERE h.lane_id = v_old.id AND h.slot > v_new.slots AND h.granted;
+        IF v_over IS NOT NULL THEN
+            v_note := format('; the workers holding %s are above the new %s slot(s): each finishes the job it '
+                             'runs, its next claim is refused, and it waits as a standby for a slot up to %s',
+                             v_over, v_new.slots, v_new.slots);
+        END IF;
+    END IF;
+    -- Wake the lane's workers: one sleeping until a rate allows a start may start sooner now.
+    PERFORM pg_notify('pglane_' || v_old.id, 'settings');
+    RETURN format('lane %s changed: %s%s', p_lane, coalesce(
+                  (SELECT string_agg(format('%s %s -> %s', k.key, k.old, k.new), ', ' ORDER BY k.key)
+                     FROM jsonb_each_text(to_jsonb(v_old)) o(key, old)
+                     JOIN jsonb_each_text(to_jsonb(v_new)) n(key, new) USING (key)
+                     CROSS JOIN LATERAL (SELECT o.key, coalesce(o.old, 'none') AS old,
+                                                coalesce(n.new, 'none') AS new) k
+                    WHERE o.old IS DISTINCT FROM n.new), 'nothing (each setting already had that value)'),
+                  v_note);
+END $$;

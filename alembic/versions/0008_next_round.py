@@ -24,10 +24,50 @@ APPLIES = ("lanes.sql", "enqueue.sql", "claim.sql", "recover.sql", "history.sql"
 ROLES = "pglane_producer, pglane_worker, pglane_operator"
 
 # --- rate limits and lane set (#21) ------------------------------------------------------------------
-RATE_BEFORE = ""
-RATE_AFTER = ""
-RATE_UNDO_BEFORE = ""
-RATE_UNDO_AFTER = ""
+# lanes.rate_limit / rate_period: at most rate_limit units of cost started in any window of
+# rate_period (both set or neither); jobs.cost (>= 1); lane_starts: the limited lanes' starts still
+# inside their window, summed in lane_counters.window_cost; the claim row's wait_reason.
+RATE_BEFORE = """
+    DROP FUNCTION pglane.enqueue(text, jsonb, text, timestamptz, text);
+    ALTER TABLE pglane.lanes ADD COLUMN rate_limit integer, ADD COLUMN rate_period interval,
+        ADD CONSTRAINT lane_rate_valid CHECK ((rate_limit IS NULL) = (rate_period IS NULL)
+            AND (rate_limit IS NULL OR rate_limit BETWEEN 1 AND 1000000)
+            AND (rate_period IS NULL OR rate_period BETWEEN '1 second' AND '1 day'));
+    ALTER TABLE pglane.jobs ADD COLUMN cost integer NOT NULL DEFAULT 1,
+        ADD CONSTRAINT job_cost_positive CHECK (cost >= 1);
+    ALTER TABLE pglane.lane_counters ADD COLUMN window_cost bigint NOT NULL DEFAULT 0;
+    CREATE TABLE pglane.lane_starts (
+        lane_id    integer     NOT NULL REFERENCES pglane.lanes (id) ON DELETE CASCADE,
+        seq        bigint      NOT NULL,
+        started_at timestamptz NOT NULL,
+        cost       integer     NOT NULL,
+        PRIMARY KEY (lane_id, started_at, seq)
+    );
+    COMMENT ON TABLE pglane.lane_starts IS
+        'the starts of rate-limited lanes still inside their window; lane_counters.window_cost is their sum';
+    ALTER TYPE pglane.claimed ADD ATTRIBUTE wait_reason text;
+"""
+RATE_AFTER = f"""
+    GRANT EXECUTE ON FUNCTION pglane.enqueue(text, jsonb, text, timestamptz, text, integer) TO pglane_producer;
+    GRANT EXECUTE ON FUNCTION pglane.set_lane(text, jsonb) TO pglane_operator;
+    GRANT EXECUTE ON FUNCTION pglane.parse_rate(text), pglane.rate_text(integer, interval) TO {ROLES};
+    GRANT SELECT ON pglane.lane_starts TO pglane_operator;
+"""
+RATE_UNDO_BEFORE = """
+    DROP VIEW pglane.lane_status;
+    DROP FUNCTION pglane.enqueue(text, jsonb, text, timestamptz, text, integer), pglane.set_lane(text, jsonb),
+                  pglane.parse_rate(text), pglane.rate_text(integer, interval), pglane.rate_wait(integer, integer,
+                  interval, bigint, integer, integer, timestamptz), pglane.rate_next_start(text);
+    ALTER TYPE pglane.claimed DROP ATTRIBUTE wait_reason;
+    DROP TABLE pglane.lane_starts;
+    ALTER TABLE pglane.lane_counters DROP COLUMN window_cost;
+    ALTER TABLE pglane.jobs DROP COLUMN cost;
+    ALTER TABLE pglane.lanes DROP COLUMN rate_limit, DROP COLUMN rate_period;
+"""
+RATE_UNDO_AFTER = """
+    GRANT EXECUTE ON FUNCTION pglane.enqueue(text, jsonb, text, timestamptz, text) TO pglane_producer;
+    GRANT SELECT ON pglane.lane_status TO pglane_operator;
+"""
 
 # --- waiting for a job's result (#20) ----------------------------------------------------------------
 WAIT_BEFORE = ""
