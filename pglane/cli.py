@@ -152,6 +152,15 @@ def _parser() -> argparse.ArgumentParser:
     ck.add_argument("--worker-timeout", type=_seconds)
     ck.add_argument("--liveness", type=_seconds, default=10.0, help="the workers' --liveness (default 10)")
 
+    web = sub.add_parser("web", help="the operator's page (needs pglane[web]); read-only unless --allow-actions")
+    web.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    web.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080; 0: a free one, logged)")
+    web.add_argument("--allow-actions", action="store_true",
+                     help="allow retry, cancel, recover and ending stuck sessions, each confirmed with the token "
+                     "from $PGLANE_WEB_TOKEN or --token-file")
+    web.add_argument("--token-file", help="a file whose first line is the action token")
+    web.add_argument("--root-path", help="the path prefix a reverse proxy serves the page under, e.g. /pglane")
+
     demo = sub.add_parser("demo", help="the whole promise in under a minute, on an embedded PostgreSQL")
     demo.add_argument("--data-dir", help="keep the embedded server's data here (default: a temp dir)")
     for command in (*sub.choices.values(), *lane.choices.values()):  # --dsn after the command too; it wins
@@ -199,9 +208,25 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "worker":
         return _worker(dsn, args)
+    if args.command == "web":
+        return _web(dsn, args)
     with client.connect(dsn) as conn:
         schema.require_current(conn)
         return _command(conn, args)
+
+
+def _web(dsn: str, args: argparse.Namespace) -> int:
+    try:  # the extra's libraries are imported only here: every other command works without them
+        from .web import server
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").split(".")[0]
+        if missing not in ("starlette", "jinja2", "uvicorn", "multipart", "python_multipart"):
+            raise
+        raise ConfigurationError(f"pglane web needs its extra ({missing} is missing): pip install 'pglane[web]'"
+                                 ) from None
+    with client.connect(dsn) as conn:
+        schema.require_current(conn)
+    return server.main(dsn, args)
 
 
 def _worker(dsn: str, args: argparse.Namespace) -> int:
