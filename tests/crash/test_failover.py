@@ -13,6 +13,8 @@ primary (so it LISTENs there: the poll interval is far longer than the test wait
 from __future__ import annotations
 
 import random
+import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -96,6 +98,31 @@ def value(conn: psycopg.Connection[Any], query: LiteralString, params: Any = Non
 
 def job_status(conn: psycopg.Connection[Any], job: int) -> Any:
     return value(conn, "SELECT status FROM pglane.jobs WHERE id = %s", (job,))
+
+
+def idle_holder(conn: psycopg.Connection[Any], other_than: int | None = None) -> int:
+    """The backend pid of the lane's slot holder (not ``other_than``) once it waits, idle, after a claim:
+    a job enqueued now can reach it only by a NOTIFY, never by a claim it was about to make."""
+    def waiting() -> int | None:
+        row = conn.execute("SELECT h.pid FROM pglane.slot_holders h JOIN pg_stat_activity s ON s.pid = h.pid"
+                           " WHERE h.lane = %s AND h.granted AND s.state = 'idle' AND s.query LIKE '%%claim%%'",
+                           (LANE,)).fetchone()
+        return None if row is None or row["pid"] == other_than else int(row["pid"])
+
+    pid: int = wait_until(waiting, 30, "a slot holder waiting idle after a claim")
+    return pid
+
+
+def woken_by_notify(conn: psycopg.Connection[Any], whom: str) -> None:
+    """A job enqueued now runs long before the idle holder's 60 s poll: it LISTENs on this server."""
+    job = pglane.enqueue(conn, LANE, {"sleep": 0})
+    wait_until(lambda: job_status(conn, job) == "done", 20, f"a NOTIFY on the new primary to wake {whom}")
+
+
+def worker_of(conn: psycopg.Connection[Any], pid: int, fleet: Workers) -> subprocess.Popen[bytes]:
+    """The worker process whose lock session is backend ``pid`` (its application_name ends with host:pid)."""
+    name = value(conn, "SELECT application_name FROM pg_stat_activity WHERE pid = %s", (pid,))
+    return next(p for p in fleet.procs if p.pid == int(name.rsplit(":", 1)[-1]))
 
 
 def events_of(ledger: Ledger, event: str, job: int) -> list[int]:
@@ -223,14 +250,19 @@ def test_a_promoted_synchronous_standby_loses_no_job_and_pays_for_nothing_twice(
 
             check_invariants(new, LANE, everything, ledger)
 
-            # Both workers are on the new primary, untouched by anyone: one holds the slot and LISTENs
-            # there (a job enqueued now runs long before the 60 s poll), the other waits as a standby.
+            # Both workers are on the new primary, untouched by anyone: one holds the slot, the other waits
+            # as a standby; each LISTENs there once it holds the slot: a job enqueued while the holder is
+            # idle runs long before its 60 s poll. The holder is stopped, so that the other one shows it too.
             assert all(p.poll() is None for p in fleet.procs), "a worker exited"
-            wait_until(lambda: len(slot_holder(new, LANE)) == 1, 30, "a worker holding the slot on the new primary")
-            late = pglane.enqueue(new, LANE, {"sleep": 0})
-            wait_until(lambda: job_status(new, late) == "done", 20, "a job enqueued after the failover (a NOTIFY)")
+            holder = idle_holder(new)
             waiting = value(new, "SELECT count(*) FROM pglane.slot_holders WHERE lane = %s AND NOT granted", (LANE,))
             assert waiting == 1, "the other worker is not waiting as a standby on the new primary"
+            woken_by_notify(new, "the holder")
+            worker = worker_of(new, holder, fleet)
+            worker.send_signal(signal.SIGTERM)
+            assert worker.wait(30) == 0
+            idle_holder(new, other_than=holder)
+            woken_by_notify(new, "the standby that took over")
 
         # Resumption: the first job claimed on the new primary, counted from the kill.
         resumed = min(t for e, _, attempt, t in ledger.events() if e == "claimed" and attempt not in before)
