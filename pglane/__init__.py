@@ -19,6 +19,7 @@ from .client import (
     release_lease,
     result,
     retry,
+    wait,
 )
 from .errors import (
     ConfigurationError,
@@ -30,6 +31,9 @@ from .errors import (
     InvalidLane,
     InvalidPayload,
     InvalidTransition,
+    JobCancelled,
+    JobFailed,
+    JobPruned,
     LaneFull,
     NoSlotHeld,
     NotTheClaimer,
@@ -41,6 +45,7 @@ from .errors import (
     SlotLost,
     UnknownJob,
     UnknownLane,
+    WaitTimeout,
 )
 from .job import Job
 from .schema import downgrade, upgrade
@@ -57,6 +62,9 @@ __all__ = [
     "InvalidPayload",
     "InvalidTransition",
     "Job",
+    "JobCancelled",
+    "JobFailed",
+    "JobPruned",
     "LaneFull",
     "NoSlotHeld",
     "NotTheClaimer",
@@ -68,6 +76,7 @@ __all__ = [
     "SlotLost",
     "UnknownJob",
     "UnknownLane",
+    "WaitTimeout",
     "Worker",
     "WorkerOptions",
     "attempts",
@@ -85,4 +94,5 @@ __all__ = [
     "result",
     "retry",
     "upgrade",
+    "wait",
 ]

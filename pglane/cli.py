@@ -15,10 +15,11 @@ from typing import Any
 import psycopg
 
 from . import client, schema, timing
-from .errors import ConfigurationError, PglaneError, first_line, translate
+from .errors import ConfigurationError, PglaneError, WaitTimeout, first_line, translate
 from .job import JOB_STATUSES
 
 EXIT_FULL = 3  # enqueue --if-full skip met a full lane: nothing was written
+EXIT_WAIT_TIMEOUT = 4  # enqueue --wait --timeout S: the job had not finished (it goes on)
 
 
 def _table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
@@ -95,6 +96,11 @@ def _parser() -> argparse.ArgumentParser:
     enq.add_argument("--if-full", choices=("error", "skip"), default="error",
                      help="on a full bounded lane: an error (default), or skip: exit 3, nothing written, "
                      "no ERROR in the server's log")
+    enq.add_argument("--wait", action="store_true",
+                     help="wait for the job to finish and print its result as JSON (a failed or cancelled job: "
+                     "the reason and the next safe action on stderr, exit 1)")
+    enq.add_argument("--timeout", type=_seconds,
+                     help="with --wait: give up after this many seconds, saying where the job is (exit 4)")
 
     w = sub.add_parser("worker", help="run a worker for one lane")
     w.add_argument("lane")
@@ -253,11 +259,20 @@ def _command(conn: Any, args: argparse.Namespace) -> int:
                                      takeover=args.takeover.replace("-", "_"))
         print(f"lane {args.name} created (id {lane_id})")
     elif cmd == "enqueue":
+        if args.timeout is not None and not args.wait:
+            raise ConfigurationError("--timeout is how long --wait waits: add --wait, or drop --timeout")
         job = client.enqueue(conn, args.lane, args.payload, key=args.key, if_full=args.if_full)
         if job is None:
             print(f"pglane: lane {args.lane} is full: nothing was enqueued; try again later", file=sys.stderr)
             return EXIT_FULL
-        print(job)
+        if not args.wait:
+            print(job)
+            return 0
+        try:
+            print(json.dumps(client.wait(conn, job, args.timeout)))
+        except WaitTimeout as exc:
+            print(f"pglane: {exc}", file=sys.stderr)
+            return EXIT_WAIT_TIMEOUT
     elif cmd == "status":
         rows = client.lane_status(conn)
         print(_json(rows) if args.json else _table(rows, (

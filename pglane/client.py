@@ -1,34 +1,38 @@
-"""The client: connect, create lanes, enqueue, inspect, retry, cancel and recover.
+"""The client: connect, create lanes, enqueue, inspect, retry, cancel, recover and wait.
 
-Owns the synchronous public API used by applications, the CLI and the demo. Every call is one short
-transaction that runs a function or view of sql/; database errors come back as PglaneError through
-errors.translate (by SQLSTATE or constraint name, never by message text).
+Owns the synchronous public API used by applications, the CLI and the demo, and the runner that
+executes `statements`' plans on a ``psycopg.Connection`` or a ``psycopg_pool.ConnectionPool``
+(`pglane.aio` is the same API, running the same plans on asyncio). Every statement is one short
+transaction on a connection in autocommit (on a pool: a connection borrowed for that statement
+only, committed when it goes back) that runs a function or view of sql/; database errors come back as
+PglaneError through errors.translate (by SQLSTATE or constraint name, never by message text).
+
+To add a call: write its plan in `statements` (what it sends, checks and returns), then one function
+here and one in `aio` with the same signature that run it.
 """
 
 from __future__ import annotations
 
-import json
-import math
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any, Literal, LiteralString, overload
+from typing import Any, Literal, TypeVar, overload
 
 import psycopg
 from psycopg.rows import dict_row
+from psycopg_pool import ConnectionPool
 
-from . import queries, timing
-from .errors import (
-    ConfigurationError,
-    DatabaseUnavailable,
-    InvalidPayload,
-    PglaneError,
-    UnknownJob,
-    first_line,
-    translate,
-)
+from . import statements, timing, waiting
+from .errors import ConfigurationError, DatabaseUnavailable, PglaneError, first_line, translate
+from .statements import _EMPTY, Listen, Pause, Plan, Query, Row, payload_json
 
-Row = dict[str, Any]
+__all__ = ["Row", "Target", "connect", "payload_json", "resolve_dsn", "run", "translated"]
+
+T = TypeVar("T")
+# What every call takes: a connection (its own rows' type does not matter: rows come back as dicts),
+# or a pool to borrow one from for each statement.
+Target = psycopg.Connection[Any] | ConnectionPool[Any]
 
 
 def resolve_dsn(dsn: str | None) -> str:
@@ -39,7 +43,7 @@ def resolve_dsn(dsn: str | None) -> str:
     if not value:
         raise ConfigurationError(
             "no database given: pass --dsn 'postgresql://user@host/db' or set PGLANE_DSN"
-            " (or run `pglane demo`, which starts its own embedded PostgreSQL)"
+            " (or run `pglane server start` for a local one, or `pglane demo`)"
         )
     return value
 
@@ -68,27 +72,58 @@ def translated() -> Iterator[None]:
         raise mapped from None
 
 
-# Every statement here runs with prepare=False, never as a server-side prepared statement: producers and
-# operators may connect through a transaction-mode pooler (PgBouncer), where a statement psycopg prepared
-# on one server session is missing on the next ("prepared statement "_pg3_0" does not exist").
-def _one(conn: psycopg.Connection[Row], query: LiteralString, params: tuple[Any, ...] | dict[str, Any]) -> Row:
+def shape(query: Query, rows: list[Row]) -> Any:
+    """A query's answer from its fetched rows (see statements.Query)."""
+    if query.rows == "all":
+        return rows
+    if not rows:
+        if query.rows == "optional":
+            return None
+        raise PglaneError("the database returned no row")  # every "one" query returns exactly one row
+    return rows[0]
+
+
+# Every statement runs with prepare=False, never as a server-side prepared statement: producers and
+# operators may connect through a transaction-mode pooler (PgBouncer), where a statement psycopg
+# prepared on one server session is missing on the next ("prepared statement "_pg3_0" does not exist").
+def _execute(conn: psycopg.Connection[Any], query: Query) -> Any:
     with translated():
-        row = conn.execute(query, params, prepare=False).fetchone()
-    if row is None:  # every query given here returns exactly one row
-        raise PglaneError("the database returned no row")
-    return row
+        cur = conn.cursor(row_factory=dict_row)
+        cur.execute(query.sql, query.params, prepare=False)
+        return shape(query, cur.fetchall())
 
 
-def payload_json(payload: Any) -> str:
-    """Serialise a payload; InvalidPayload (nothing written) if it is not JSON."""
+def run(target: Target, plan: Plan[T]) -> T:
+    """Run a plan of `statements` on a connection or a pool and return its value."""
+    waiter: waiting.Waiter | None = None
     try:
-        return json.dumps(payload, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise InvalidPayload(f"payload is not JSON-serialisable ({exc}); send dicts, lists, strings, numbers") from None
+        step = next(plan)
+        while True:
+            answer: Any = None
+            if isinstance(step, Query):
+                if isinstance(target, ConnectionPool):
+                    with target.connection() as conn:
+                        answer = _execute(conn, step)
+                else:
+                    answer = _execute(target, step)
+            elif isinstance(step, Pause):
+                if step.wake_on is not None and waiter is not None:
+                    answer = waiter.pause(step.seconds)
+                else:
+                    time.sleep(step.seconds)
+            elif isinstance(step, Listen):
+                waiter = waiting.listen(target, step.job_id)
+            step = plan.send(answer)
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]
+    finally:
+        plan.close()
+        if waiter is not None:
+            waiter.close()
 
 
 def create_lane(
-    conn: psycopg.Connection[Row],
+    conn: Target,
     name: str,
     *,
     slots: int = 1,
@@ -103,35 +138,24 @@ def create_lane(
     takeover: str = "immediate",
 ) -> int:
     """Create a lane and return its id. With no lease_timeout, it is 10 % longer than job_timeout."""
-    lease = timing.default_lease_timeout(job_timeout) if lease_timeout is None else lease_timeout
-    for label, value in (("job_timeout", job_timeout), ("lease_timeout", lease)):
-        if not math.isfinite(value):
-            raise ConfigurationError(f"{label} must be a finite number of seconds")
-    row = _one(
-        conn,
-        queries.CREATE_LANE,
-        (name, slots, job_timeout, lease, max_attempts, max_queued, waiting_grace, max_payload_bytes, retry_backoff,
-         max_result_bytes, takeover),
-    )
-    return int(row["id"])
+    return run(conn, statements.create_lane(
+        name, slots=slots, job_timeout=job_timeout, lease_timeout=lease_timeout, max_attempts=max_attempts,
+        max_queued=max_queued, waiting_grace=waiting_grace, max_payload_bytes=max_payload_bytes,
+        retry_backoff=retry_backoff, max_result_bytes=max_result_bytes, takeover=takeover))
 
 
-def lanes(conn: psycopg.Connection[Row]) -> list[Row]:
-    with translated():
-        return conn.execute(queries.LANES, {"name": None}, prepare=False).fetchall()
-
-
-_EMPTY: Any = object()  # enqueue() was given no payload: the job's is {}
+def lanes(conn: Target) -> list[Row]:
+    return run(conn, statements.lanes())
 
 
 @overload
-def enqueue(conn: psycopg.Connection[Row], lane: str, payload: Any = ..., *, key: str | None = ...,
+def enqueue(conn: Target, lane: str, payload: Any = ..., *, key: str | None = ...,
             run_after: datetime | None = ..., if_full: Literal["error"] = ...) -> int: ...
 @overload
-def enqueue(conn: psycopg.Connection[Row], lane: str, payload: Any = ..., *, key: str | None = ...,
+def enqueue(conn: Target, lane: str, payload: Any = ..., *, key: str | None = ...,
             run_after: datetime | None = ..., if_full: Literal["skip"]) -> int | None: ...
 def enqueue(
-    conn: psycopg.Connection[Row],
+    conn: Target,
     lane: str,
     payload: Any = _EMPTY,
     *,
@@ -143,106 +167,84 @@ def enqueue(
     payload is a JSON object or array; given none, it is ``{}``; ``None`` is refused like any scalar.
     On a full bounded lane: LaneFull (``if_full="error"``), or None with nothing written and no error
     in the server's log (``if_full="skip"``: for producers that retry anyway)."""
-    text = "{}" if payload is _EMPTY else payload_json(payload)
-    row = _one(conn, queries.ENQUEUE, (lane, text, key, run_after, if_full))
-    return None if row["enqueue"] is None else int(row["enqueue"])
+    return run(conn, statements.enqueue(lane, payload, key=key, run_after=run_after, if_full=if_full))
 
 
-def lane_status(conn: psycopg.Connection[Row]) -> list[Row]:
-    with translated():
-        return conn.execute(queries.LANE_STATUS, prepare=False).fetchall()
+def lane_status(conn: Target) -> list[Row]:
+    return run(conn, statements.lane_status())
 
 
-def job_status(conn: psycopg.Connection[Row], job_id: int) -> Row:
-    with translated():
-        row = conn.execute(queries.JOB_STATUS, (job_id,), prepare=False).fetchone()
-    if row is None:
-        raise UnknownJob(f"no job {job_id}; list jobs with: pglane jobs")
-    return row
+def job_status(conn: Target, job_id: int) -> Row:
+    return run(conn, statements.job_status(job_id))
 
 
-def jobs(
-    conn: psycopg.Connection[Row], *, lane: str | None = None, status: str | None = None, limit: int = 50
-) -> list[Row]:
-    with translated():
-        return conn.execute(queries.JOBS, {"lane": lane, "status": status, "limit": limit}, prepare=False).fetchall()
+def jobs(conn: Target, *, lane: str | None = None, status: str | None = None, limit: int = 50) -> list[Row]:
+    return run(conn, statements.jobs(lane=lane, status=status, limit=limit))
 
 
-def attempts(conn: psycopg.Connection[Row], job_id: int) -> list[Row]:
-    with translated():
-        return conn.execute(queries.ATTEMPTS, (job_id,), prepare=False).fetchall()
+def attempts(conn: Target, job_id: int) -> list[Row]:
+    return run(conn, statements.attempts(job_id))
 
 
-def result(conn: psycopg.Connection[Row], job_id: int) -> Any:
-    with translated():
-        row = conn.execute(queries.JOB_RESULT, (job_id,), prepare=False).fetchone()
-    if row is None:
-        raise UnknownJob(f"no job {job_id}; list jobs with: pglane jobs")
-    return row["result"]
+def result(conn: Target, job_id: int) -> Any:
+    return run(conn, statements.result(job_id))
 
 
-def retry(conn: psycopg.Connection[Row], job_id: int) -> bool:
-    return bool(_one(conn, queries.RETRY, (job_id,))["retry"])
+def retry(conn: Target, job_id: int) -> bool:
+    return run(conn, statements.retry(job_id))
 
 
-def cancel(conn: psycopg.Connection[Row], job_id: int) -> bool:
-    return bool(_one(conn, queries.CANCEL, (job_id,))["cancel"])
+def cancel(conn: Target, job_id: int) -> bool:
+    return run(conn, statements.cancel(job_id))
 
 
-def recover(conn: psycopg.Connection[Row], lane: str | None = None) -> int:
-    return int(_one(conn, queries.RECOVER, (lane,))["recover"])
+def recover(conn: Target, lane: str | None = None) -> int:
+    return run(conn, statements.recover(lane))
 
 
-def release_lease(conn: psycopg.Connection[Row], attempt_id: int) -> bool:
+def release_lease(conn: Target, attempt_id: int) -> bool:
     """A person who knows the worker of lost attempt ``attempt_id`` is stopped ends a strict lane's wait
     for its lease (recorded on the attempt, who and when); InvalidTransition if there is no such wait."""
-    return bool(_one(conn, queries.RELEASE_LEASE, (attempt_id,))["release_lease"])
+    return run(conn, statements.release_lease(attempt_id))
 
 
-def prune(conn: psycopg.Connection[Row], older_than: float, *, lane: str | None = None,
+def prune(conn: Target, older_than: float, *, lane: str | None = None,
           include_failed: bool = False, batch: int | None = None,
           progress: Callable[[int], object] | None = None) -> int:
     """Delete finished jobs older than ``older_than`` seconds (failed ones only if asked); returns how many.
     With ``batch``, in steps of at most that many jobs, each in its own short transaction (the
     connection must be in autocommit), ``progress`` called with the total so far after each: it may
     be interrupted at any step and run again."""
-    if batch is None:
-        return int(_one(conn, queries.PRUNE, (older_than, lane, include_failed))["prune"])
-    total, after = 0, 0
-    while True:
-        row = _one(conn, queries.PRUNE_BATCH, (older_than, lane, include_failed, after, batch))
-        if row["last_id"] is None:
-            return total
-        total, after = total + int(row["deleted"]), int(row["last_id"])
-        if progress is not None:
-            progress(total)
+    return run(conn, statements.prune(older_than, lane=lane, include_failed=include_failed, batch=batch,
+                                      progress=progress))
 
 
-def prunable(conn: psycopg.Connection[Row], older_than: float, *, lane: str | None = None,
+def prunable(conn: Target, older_than: float, *, lane: str | None = None,
              include_failed: bool = False) -> int:
     """How many jobs prune() would delete now (one read of the history)."""
-    return int(_one(conn, queries.PRUNABLE, {"age": older_than, "lane": lane, "failed": include_failed})["n"])
+    return run(conn, statements.prunable(older_than, lane=lane, include_failed=include_failed))
 
 
-def stuck_attempts(conn: psycopg.Connection[Row], lane: str | None = None) -> list[Row]:
-    with translated():
-        return conn.execute(queries.STUCK, (lane,), prepare=False).fetchall()
+def stuck_attempts(conn: Target, lane: str | None = None) -> list[Row]:
+    return run(conn, statements.stuck_attempts(lane))
 
 
-def terminate_stuck(conn: psycopg.Connection[Row], lane: str | None = None, *, wait: float = 10.0) -> int:
+def terminate_stuck(conn: Target, lane: str | None = None, *, wait: float = 10.0) -> int:
     """End the sessions of attempts past their lease whose worker is still connected (a person's
     decision, see `pglane recover --terminate-stuck`) and wait until they are gone, so that the
     following recover() finds the evidence. Returns how many sessions were ended."""
-    import time
+    return run(conn, statements.terminate_stuck(lane, wait=wait))
 
-    pids = {int(row["backend_pid"]) for row in stuck_attempts(conn, lane)}
-    for pid in pids:
-        with translated():
-            conn.execute(queries.TERMINATE, (pid,), prepare=False)
-    deadline = time.monotonic() + wait
-    while pids and time.monotonic() < deadline:
-        alive = conn.execute(queries.LIVE_SESSIONS, (list(pids),), prepare=False).fetchone()
-        if alive is None or alive["n"] == 0:
-            break
-        time.sleep(0.05)
-    return len(pids)
+
+def wait(conn: Target, job_id: int, timeout: float | None = None, *,
+         poll_interval: float = statements.DEFAULT_POLL_INTERVAL) -> Any:
+    """Wait until job ``job_id`` is finished and return its stored result (``None`` waits as long as
+    it takes). Raises JobFailed (``last_error``, the attempt, ``next_safe_action``), JobCancelled,
+    JobPruned (finished, then deleted by a prune), UnknownJob, or WaitTimeout (saying where the job
+    is: queued at position P, or running since T; the job goes on).
+
+    Woken by a notification when the job finishes, through one listening session per process and
+    database shared by every waiter (`pglane.waiting`); ``poll_interval`` is the backup poll, so that a
+    lost notification costs at most that long. On a pool, each status read borrows a connection for
+    that read only."""
+    return run(conn, statements.wait(job_id, timeout=timeout, poll_interval=poll_interval))

@@ -204,3 +204,54 @@ def translate(exc: psycopg.Error) -> PglaneError | None:
 class PoolerDetected(ConfigurationError):
     """The worker's DSN leads through a transaction-mode pooler, which would hand its slot lock and its
     LISTEN to other clients between transactions (pglane.pooler): the worker refuses to start."""
+
+
+# --- waiting for a job's result (pglane.wait) -------------------------------------------------------
+class JobFailed(PglaneError):
+    """The awaited job failed: ``last_error`` says why, ``attempt_id``/``attempt_number`` which try
+    failed last, ``next_safe_action`` what to do (e.g. ``pglane retry J`` if paying again is fine)."""
+
+    def __init__(self, job_id: int, *, last_error: str | None, attempt_id: int | None, attempt_number: int | None,
+                 next_safe_action: str | None) -> None:
+        self.job_id, self.last_error, self.next_safe_action = job_id, last_error, next_safe_action
+        self.attempt_id, self.attempt_number = attempt_id, attempt_number
+        super().__init__(f"job {job_id} failed (attempt {attempt_number}, id {attempt_id}): "
+                         f"{first_line(Exception(last_error or 'no reason recorded'))}; next: {next_safe_action}")
+
+
+class JobCancelled(PglaneError):
+    """The awaited job was cancelled before it ran; ``next_safe_action`` says how to run it after all."""
+
+    def __init__(self, job_id: int, *, next_safe_action: str | None) -> None:
+        self.job_id, self.next_safe_action = job_id, next_safe_action
+        super().__init__(f"job {job_id} was cancelled; next: {next_safe_action}")
+
+
+class JobPruned(UnknownJob):
+    """The awaited job finished and was deleted by ``pglane prune`` since: its result is gone (results
+    stay readable until a prune deletes them). An UnknownJob, with the reason."""
+
+    def __init__(self, job_id: int, *, pruned_at: object) -> None:
+        self.job_id, self.pruned_at = job_id, pruned_at
+        super().__init__(f"job {job_id} finished and was pruned at {pruned_at}: its result is no longer stored"
+                         " (results stay readable until pglane prune deletes them); enqueue it again with a new key"
+                         " to run it again")
+
+
+class WaitTimeout(PglaneError):
+    """A wait ended before the job finished; the job goes on. ``status`` is where it is: queued at
+    ``queue_position`` (``waiting_for_worker`` once past the lane's grace), or running since
+    ``started_at``; ``next_safe_action`` is the job's."""
+
+    def __init__(self, job_id: int, row: dict[str, object], waited: float) -> None:
+        self.job_id, self.waited = job_id, waited
+        self.status, self.queue_position = row.get("status"), row.get("queue_position")
+        self.started_at, self.next_safe_action = row.get("started_at"), row.get("next_safe_action")
+        if self.status == "queued":
+            where = f"still queued at position {self.queue_position}"
+        elif self.status == "running":
+            where = f"still running since {self.started_at} (attempt {row.get('attempts')})"
+        else:
+            where = f"{self.status}"
+        super().__init__(f"job {job_id} is {where} after a wait of {waited:.1f}s; it goes on without you: wait"
+                         f" again, or read it with pglane show {job_id} (next: {self.next_safe_action})")

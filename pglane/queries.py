@@ -71,3 +71,9 @@ QUEUE_GAUGES: LiteralString = (
     "   WHERE a.status = 'running' AND r.lane = %(lane)s) AS running"
     " FROM pglane.jobs WHERE lane = %(lane)s AND in_queue"
 )
+
+# Waiting for a job's result (pglane.waiting): mark the job awaited (its completion then notifies
+# DONE_CHANNEL with its id) and read where it is, in one statement; a pruned job's row says so.
+AWAIT_JOB: LiteralString = "SELECT * FROM pglane.await_job(%s)"
+LISTEN_DONE: LiteralString = "LISTEN pglane_done"
+DONE_CHANNEL = "pglane_done"

@@ -19,7 +19,8 @@ down_revision = "0007"
 branch_labels = None
 depends_on = None
 
-APPLIES = ("lanes.sql", "enqueue.sql", "claim.sql", "recover.sql", "history.sql", "views.sql")
+APPLIES = ("lanes.sql", "enqueue.sql", "claim.sql", "recover.sql", "history.sql", "views.sql", "wait.sql")
+NEW_FILES = ("wait.sql",)  # sql/ files 0007 did not have: a downgrade does not apply them
 
 ROLES = "pglane_producer, pglane_worker, pglane_operator"
 
@@ -70,9 +71,29 @@ RATE_UNDO_AFTER = """
 """
 
 # --- waiting for a job's result (#20) ----------------------------------------------------------------
-WAIT_BEFORE = ""
-WAIT_AFTER = ""
-WAIT_UNDO_BEFORE = ""
+WAIT_BEFORE = """
+    ALTER TABLE pglane.jobs ADD COLUMN awaited boolean NOT NULL DEFAULT false;
+    COMMENT ON COLUMN pglane.jobs.awaited IS
+        'someone waits for this job (pglane.await_job): its completion notifies pglane_done with its id';
+    CREATE TABLE pglane.pruned_jobs (
+        first_id  bigint      NOT NULL,
+        last_id   bigint      NOT NULL,
+        jobs      bigint      NOT NULL,
+        pruned_at timestamptz NOT NULL DEFAULT now()
+    );
+    COMMENT ON TABLE pglane.pruned_jobs IS
+        'one row per prune or prune batch: the range of job ids it deleted, so a wait says pruned, not unknown';
+    CREATE INDEX pruned_jobs_range ON pglane.pruned_jobs (last_id, first_id);
+"""
+WAIT_AFTER = f"""
+    GRANT EXECUTE ON FUNCTION pglane.await_job(bigint) TO {ROLES};
+"""
+WAIT_UNDO_BEFORE = """
+    DROP TRIGGER jobs_awaited_finished ON pglane.jobs;
+    DROP FUNCTION pglane.await_job(bigint), pglane.notify_awaited(), pglane.note_pruned(bigint, bigint, bigint);
+    DROP TABLE pglane.pruned_jobs;
+    ALTER TABLE pglane.jobs DROP COLUMN awaited;
+"""
 WAIT_UNDO_AFTER = ""
 
 # --- listings at scale (#19) -------------------------------------------------------------------------
@@ -104,6 +125,6 @@ def downgrade() -> None:
     grants on what 0007's text re-created."""
     for _, _, undo_before, _ in reversed(SECTIONS):
         _run(undo_before)
-    apply_sql("0007", APPLIES)
+    apply_sql("0007", [name for name in APPLIES if name not in NEW_FILES])
     for _, _, _, undo_after in reversed(SECTIONS):
         _run(undo_after)
