@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
@@ -255,6 +256,33 @@ def test_cancel_and_recover_with_the_token(
     assert pglane.job_status(conn, job)["status"] == "failed"
 
 
+def test_ending_stuck_sessions_with_the_token(acting: TestClient, dsn: str, conn: Any) -> None:
+    """A worker hung past its lease with its session alive: the page ends that session (the operator's login
+    also needs pg_signal_backend for this, as `pglane recover --terminate-stuck` does) and recovers it."""
+    conn.execute("DO $$ BEGIN CREATE ROLE pglane_test_web_worker LOGIN; EXCEPTION WHEN duplicate_object THEN NULL;"
+                 " END $$")
+    conn.execute("GRANT pglane_worker TO pglane_test_web_worker")
+    conn.execute(f"GRANT pg_signal_backend TO {WEB_LOGIN}")
+    try:
+        pglane.create_lane(conn, "slow", job_timeout=1, lease_timeout=2)
+        job = pglane.enqueue(conn, "slow", {})
+        with pglane.connect(make_conninfo(dsn, user="pglane_test_web_worker")) as hung:
+            take_slot(hung, "slow")
+            attempt = claimed(hung, "slow")["attempt_id"]
+            wait_until(lambda: next(r for r in pglane.lane_status(conn) if r["lane"] == "slow")["stuck"] == 1, 10,
+                       "the attempt to pass its lease")
+            assert "/confirm/end-stuck?lane=slow" in acting.get("/").text
+            form = {**confirm_form(acting, "end-stuck", lane="slow"), "token": TOKEN}
+            ended = acting.post("/actions/end-stuck", data=form)
+            assert ended.status_code == 200, ended.text
+            assert "ended 1 stuck session(s); 1 attempt(s) marked lost" in ended.text
+            with pytest.raises(psycopg.OperationalError):  # its session was ended
+                hung.execute("SELECT 1")
+    finally:
+        conn.execute(f"REVOKE pg_signal_backend FROM {WEB_LOGIN}")
+    assert conn.execute("SELECT status FROM pglane.attempts WHERE id = %s", (attempt,)).fetchone()["status"] == "lost"
+    assert pglane.job_status(conn, job)["status"] == "failed"
+
 def test_no_get_changes_anything(acting: TestClient, conn: Any, lane: str, session: Callable[..., Any]) -> None:
     failed, _ = failed_job(conn, session())
     queued = pglane.enqueue(conn, lane, {})
@@ -361,6 +389,25 @@ def test_pglane_web_listens_on_127_0_0_1_only_by_default(operator_dsn: str, lane
     finally:
         server.stop()
 
+
+def test_behind_a_proxy_that_strips_a_path_prefix_the_links_keep_it(
+    operator_dsn: str, lane: str, tmp_path: Path
+) -> None:
+    import urllib.request
+
+    server = WebServer(operator_dsn, tmp_path / "web.log", "--root-path", "/pglane")
+    try:  # the proxy passes /pglane/jobs on as /jobs (nginx: location /pglane/ { proxy_pass http://127.0.0.1:PORT/; })
+        with urllib.request.urlopen(server.url + "/jobs", timeout=10) as response:
+            body = response.read().decode()
+        assert 'href="/pglane/static/pglane.css"' in body and 'href="/pglane/jobs"' in body
+    finally:
+        server.stop()
+
+
+def test_an_unreachable_database_is_a_503_that_says_so(lane: str) -> None:
+    with TestClient(create_app("host=127.0.0.1 port=1 dbname=nowhere connect_timeout=1")) as c:
+        response = c.get("/")
+    assert response.status_code == 503 and "cannot reach the database" in response.text
 
 def test_allow_actions_needs_a_token(operator_dsn: str, tmp_path: Path) -> None:
     env = {**os.environ, "PGLANE_DSN": operator_dsn}

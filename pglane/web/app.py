@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, LiteralString
 
 import psycopg
-from jinja2 import Environment, FileSystemLoader, select_autoescape
+from jinja2 import Environment, FileSystemLoader, pass_context, select_autoescape
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from starlette.applications import Starlette
@@ -45,6 +45,7 @@ HERE = Path(__file__).resolve().parent
 APPLICATION_NAME = "pglane web"
 JOBS_SHOWN = 100  # rows on the jobs page; the filter narrows it
 SHOWN_BYTES = 64 * 1024  # a payload, result or error longer than this is cut on the page (pglane show has it all)
+POOL_WAIT = 5.0  # seconds a request waits for a connection before the page says the database is unreachable (503)
 LANE_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,47}$")
 
 # What each action costs, said on its confirmation page before anything is done.
@@ -105,7 +106,16 @@ def _templates() -> Jinja2Templates:
     env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(default=True),
                       trim_blocks=True, lstrip_blocks=True)
     env.filters.update(when=_when, minute=_minute, duration=_duration, shown=_shown)
+    env.globals["url_for"] = _path_for  # before Jinja2Templates, which would set Starlette's absolute one
     return Jinja2Templates(env=env)
+
+
+@pass_context
+def _path_for(context: dict[str, Any], name: str, /, **params: Any) -> str:
+    """A route's path under the page's root path, never an absolute URL: behind a reverse proxy the scheme
+    and host the browser used are the proxy's, which this process cannot know."""
+    request: Request = context["request"]
+    return str(request.scope.get("root_path", "")).rstrip("/") + str(request.app.url_path_for(name, **params))
 
 
 class Page:
@@ -122,7 +132,7 @@ class Page:
 
     async def rows(self, query: LiteralString, params: tuple[Any, ...] | dict[str, Any] | None = None
                    ) -> list[dict[str, Any]]:
-        async with self.pool.connection(timeout=10) as conn:
+        async with self.pool.connection(timeout=POOL_WAIT) as conn:
             with client.translated():
                 async with conn.cursor(row_factory=dict_row) as cursor:
                     await cursor.execute(query, params, prepare=False)
