@@ -44,6 +44,26 @@ CREATE TABLE floor_jobs (
     finished_at timestamptz
 );
 CREATE INDEX floor_jobs_queue ON floor_jobs (id) WHERE status = 'queued';
+ALTER TABLE floor_jobs ADD COLUMN seq bigint;
+-- floor_seq's gapless claim sequence: a narrow side table, as pglane.lane_counters is
+CREATE TABLE floor_counters (lane integer PRIMARY KEY, last_seq bigint NOT NULL DEFAULT 0);
+INSERT INTO floor_counters (lane) VALUES (1);
+CREATE FUNCTION floor_claim_seq(p_prev bigint) RETURNS TABLE (id bigint, payload jsonb) LANGUAGE plpgsql AS $$
+DECLARE
+    v_id  bigint;
+    v_seq bigint;
+BEGIN
+    IF p_prev IS NOT NULL THEN
+        UPDATE floor_jobs j SET status = 'done', finished_at = now() WHERE j.id = p_prev;
+    END IF;
+    SELECT j.id INTO v_id FROM floor_jobs j WHERE j.status = 'queued' ORDER BY j.id LIMIT 1 FOR UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    UPDATE floor_counters c SET last_seq = c.last_seq + 1 WHERE c.lane = 1 RETURNING c.last_seq INTO v_seq;
+    RETURN QUERY UPDATE floor_jobs j SET status = 'running', started_at = now(), seq = v_seq WHERE j.id = v_id
+                 RETURNING j.id, j.payload;
+END $$;
 CREATE FUNCTION floor_wake() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     PERFORM pg_notify('floor_wake', '');
@@ -57,6 +77,11 @@ CLAIM = ("UPDATE floor_jobs SET status = 'running', started_at = now()"
          " RETURNING id, payload")
 COMPLETE = "UPDATE floor_jobs SET status = 'done', finished_at = now() WHERE id = %(prev)s"
 COMPLETE_AND_CLAIM = f"WITH done AS ({COMPLETE}) {CLAIM}"
+# floor_one_commit plus the guarantee that serialises a lane's claims: the lane's gapless seq, bumped
+# under the counters row lock in the claiming transaction (held until its commit), after the job is
+# picked, as pglane.claim does (a claim that rolls back rolls its bump back: no gap). A plpgsql
+# function as pglane's claim is (one statement of data-modifying CTEs deadlocked between two claimers).
+COMPLETE_AND_CLAIM_SEQ = "SELECT * FROM floor_claim_seq(%(prev)s)"
 MAX_SECONDS = 300.0
 
 
@@ -220,7 +245,7 @@ class FloorListenContract(Pglane):
     name = "floor_listen_contract"
     db = "contract"
 
-    def worker(self, dsn: str, handler: str, lane: str = LANE) -> tuple[list[str], dict[str, str]]:
+    def worker(self, dsn: str, handler: str, lane: str | None = None) -> tuple[list[str], dict[str, str]]:
         return ["-m", "bench.floors", "listen-contract", dsn], {}
 
 
@@ -243,8 +268,69 @@ def listen_contract_main(dsn: str) -> int:
     return 0
 
 
+# ----- floors as standing consumer processes, one per slot (bench.throughput) --------------------
+
+def _drain_bare(conn: psycopg.Connection[Any], statement: Any) -> None:
+    prev: int | None = None
+    while True:
+        row = conn.execute(statement, {"prev": prev}).fetchone()
+        if row is None:
+            return
+        handler(row[1])
+        prev = row[0]
+
+
+def _drain_two_commits(conn: psycopg.Connection[Any]) -> None:
+    while (row := conn.execute(CLAIM).fetchone()) is not None:
+        handler(row[1])
+        conn.execute(COMPLETE, {"prev": row[0]})
+
+
+def _drain_contract(conn: psycopg.Connection[Any], lane: str) -> None:
+    with conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute(queries.CLAIM, (lane, "floor")).fetchone()
+        while row is not None and row["job_id"] is not None:
+            handler(row["payload"])
+            row = cur.execute(queries.COMPLETE_AND_CLAIM, (row["attempt_id"], "null", lane, "floor",
+                                                           row["token"])).fetchone()
+
+
+SERVE_KINDS = ("one_commit", "seq", "two_commits", "contract")
+
+
+def serve_main(bare_dsn: str, contract_dsn: str, slot: int, lane: str) -> int:
+    """One standing floor consumer, for every floor kind: connect to the bare floor's database and to
+    pglane's (there taking slot ``slot`` of ``lane``, as pglane worker does, and saying which slot in
+    pglane.slot), print ``ready``; then for every line ``go KIND`` on stdin drain until a claim finds
+    nothing and print ``done <time.time()>``. Ends at EOF or any other line. Several of them drain one
+    table at once: each stops when its claim finds nothing left that it may take."""
+    name = f"bench floor {lane} {slot}"
+    with (psycopg.connect(bare_dsn, autocommit=True, application_name=name) as bare,
+          psycopg.connect(contract_dsn, autocommit=True, application_name=name) as conn):
+        conn.execute(queries.WAIT_SLOT, (lane_id(conn, lane), slot))
+        conn.execute(queries.SLOT_HINT, (str(slot),))
+        print("ready", flush=True)
+        for line in sys.stdin:
+            command, _, kind = line.strip().partition(" ")
+            if command != "go" or kind not in SERVE_KINDS:
+                break
+            if kind == "one_commit":
+                _drain_bare(bare, COMPLETE_AND_CLAIM)
+            elif kind == "seq":
+                _drain_bare(bare, COMPLETE_AND_CLAIM_SEQ)
+            elif kind == "two_commits":
+                _drain_two_commits(bare)
+            else:
+                _drain_contract(conn, lane)
+            print(f"done {time.time():.6f}", flush=True)
+    return 0
+
+
 if __name__ == "__main__":
     consumers = {"listen": listen_main, "listen-contract": listen_contract_main}
     if len(sys.argv) == 3 and sys.argv[1] in consumers:
         raise SystemExit(consumers[sys.argv[1]](sys.argv[2]))
-    raise SystemExit("usage: python -m bench.floors listen|listen-contract DSN")
+    if len(sys.argv) == 6 and sys.argv[1] == "serve":
+        raise SystemExit(serve_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]))
+    raise SystemExit("usage: python -m bench.floors listen|listen-contract DSN"
+                     " | serve FLOOR_DSN PGLANE_DSN SLOT LANE")

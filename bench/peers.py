@@ -68,6 +68,9 @@ async def _procrastinate_worker(dsn: str) -> None:
 class Procrastinate(RealSystem):
     name = "procrastinate"
     db = "procrastinate"
+
+    def __init__(self, db: str = "procrastinate") -> None:
+        self.db = db  # several slot counts run at once, each in a database of its own
     remaining_sql = "SELECT count(*) FROM procrastinate_jobs WHERE status IN ('todo', 'doing')"
     finished_sql = ("SELECT extract(epoch FROM max(at))::float8 FROM procrastinate_events"
                     " WHERE type IN ('succeeded', 'failed')")
@@ -81,8 +84,8 @@ class Procrastinate(RealSystem):
         asyncio.run(apply())
 
     def reset(self, conn: psycopg.Connection[Any]) -> None:
-        conn.execute("TRUNCATE procrastinate_events, procrastinate_periodic_defers, procrastinate_jobs,"
-                     " procrastinate_workers")
+        # not procrastinate_workers: a standing worker's row must stay (its jobs refer to it)
+        conn.execute("TRUNCATE procrastinate_events, procrastinate_periodic_defers, procrastinate_jobs")
 
     def worker(self, dsn: str, handler: str) -> tuple[list[str], dict[str, str]]:
         return ["-m", "bench.peers", "procrastinate", dsn], {}
@@ -134,6 +137,9 @@ async def _pgqueuer_worker(dsn: str) -> None:
 class Pgqueuer(RealSystem):
     name = "pgqueuer"
     db = "pgqueuer"
+
+    def __init__(self, db: str = "pgqueuer") -> None:
+        self.db = db  # several slot counts run at once, each in a database of its own
     remaining_sql = "SELECT count(*) FROM pgqueuer"
     finished_sql = "SELECT extract(epoch FROM max(created))::float8 FROM pgqueuer_log WHERE status <> 'queued'"
 

@@ -82,12 +82,20 @@ def truncate(conn: psycopg.Connection[Any]) -> None:
 
 
 class Pglane(RealSystem):
+    """pglane's real worker on one lane (default: the bench lane) of database bench_pglane."""
+
     name = "pglane"
     db = "pglane"
-    remaining_sql = (f"SELECT count(*) FROM (SELECT 1 FROM pglane.jobs WHERE lane = '{LANE}' AND in_queue"
-                     " UNION ALL SELECT 1 FROM pglane.attempts a JOIN pglane.jobs j ON j.id = a.job_id"
-                     f" WHERE a.status = 'running' AND j.lane = '{LANE}' LIMIT 1) s")
-    finished_sql = f"SELECT extract(epoch FROM max(finished_at))::float8 FROM pglane.jobs WHERE lane = '{LANE}'"
+
+    def __init__(self, lane: str = LANE) -> None:
+        self.lane = lane
+        self.remaining_sql = (
+            f"SELECT count(*) FROM (SELECT 1 FROM pglane.jobs WHERE lane = '{lane}' AND in_queue"
+            " UNION ALL SELECT 1 FROM pglane.attempts a JOIN pglane.jobs j ON j.id = a.job_id"
+            f" WHERE a.status = 'running' AND j.lane = '{lane}' LIMIT 1) s")
+        self.finished_sql = ("SELECT extract(epoch FROM max(finished_at))::float8 FROM pglane.jobs"
+                             f" WHERE lane = '{lane}'")
+        self.sessions_like = f"pglane {lane} %"
 
     def setup(self, dsn: str) -> None:
         schema.upgrade(dsn)
@@ -100,22 +108,24 @@ class Pglane(RealSystem):
     def reset(self, conn: psycopg.Connection[Any]) -> None:
         truncate(conn)
 
-    def worker(self, dsn: str, handler: str, lane: str = LANE) -> tuple[list[str], dict[str, str]]:
-        return (["-m", "pglane", "worker", lane, "--handler", f"bench.handlers:{handler}", "--poll-interval", "5"],
-                {"PGLANE_DSN": dsn})
+    def worker(self, dsn: str, handler: str, lane: str | None = None) -> tuple[list[str], dict[str, str]]:
+        return (["-m", "pglane", "worker", lane or self.lane, "--handler", f"bench.handlers:{handler}",
+                 "--poll-interval", "5"], {"PGLANE_DSN": dsn})
 
     def bulk_enqueue(self, dsn: str, n: int) -> float:
         with psycopg.connect(dsn, autocommit=True) as conn:
-            load_queued(conn, LANE, n)
+            load_queued(conn, self.lane, n)
             return time.time()
 
     def producer(self, dsn: str) -> AbstractAsyncContextManager[Put]:
-        return sql_producer(dsn, queries.ENQUEUE, lambda n: (LANE, f'{{"n": {n}}}', None, None, "error"))
+        lane = self.lane
+        return sql_producer(dsn, queries.ENQUEUE, lambda n: (lane, f'{{"n": {n}}}', None, None, "error"))
 
 
 # ----- claim latency ---------------------------------------------------------------------------
 
-def claim_latency(dsn: str, admin_dsn: str, queued: int, finished: int, claims: int, label: str) -> dict[str, Any]:
+def claim_latency(dsn: str, admin_dsn: str, queued: int, finished: int, claims: int, label: str
+                  ) -> tuple[dict[str, Any], list[float]]:
     """p50/p99 of pglane.claim() with ``queued`` jobs waiting and ``finished`` jobs of history.
     Each timed claim is followed (untimed) by complete() and the enqueue of one new job, so the
     backlog stays at ``queued``."""
@@ -140,8 +150,8 @@ def claim_latency(dsn: str, admin_dsn: str, queued: int, finished: int, claims: 
         conn.execute("SELECT pg_advisory_unlock_all()")
         truncate(conn)
     stats = latency_ms(samples)
-    return {"queued": queued, "finished": finished, "p50_ms": stats["p50_ms"], "p99_ms": stats["p99_ms"],
-            "claims": claims}
+    return ({"queued": queued, "finished": finished, "p50_ms": stats["p50_ms"], "p99_ms": stats["p99_ms"],
+             "claims": claims}, samples)
 
 
 # ----- takeover --------------------------------------------------------------------------------

@@ -77,9 +77,10 @@ class Experiment(Pglane):
     """The real worker with BENCH_EXPERIMENT set (see bench.handlers)."""
 
     def __init__(self, experiment: str) -> None:
+        super().__init__()
         self.experiment = experiment
 
-    def worker(self, dsn: str, handler: str, lane: str = LANE) -> tuple[list[str], dict[str, str]]:
+    def worker(self, dsn: str, handler: str, lane: str | None = None) -> tuple[list[str], dict[str, str]]:
         args, env = super().worker(dsn, handler, lane)
         return args, {**env, "BENCH_EXPERIMENT": self.experiment}
 

@@ -67,6 +67,7 @@ class RealSystem(abc.ABC):
     db: str  # key of BenchServer.dsns
     remaining_sql: str  # one row with one column: jobs not finished yet
     finished_sql: str  # one row with one column: epoch seconds of the last completion
+    sessions_like: str = "%"  # application_name (LIKE) of its consumers' sessions on its database
 
     @abc.abstractmethod
     def setup(self, dsn: str) -> None: ...
@@ -96,14 +97,14 @@ def _admin(server: BenchServer) -> psycopg.Connection[Any]:
     return psycopg.connect(server.admin_dsn, autocommit=True)
 
 
-def _dbname(system: RealSystem) -> str:
+def dbname(system: RealSystem) -> str:
     return f"bench_{system.db}"
 
 
 DRAIN_POLL_S = 0.25
 
 
-def _wait_drained(conn: psycopg.Connection[Any], system: RealSystem, proc: Any, timeout: float) -> int:
+def wait_drained(conn: psycopg.Connection[Any], system: RealSystem, proc: Any, timeout: float) -> int:
     """Poll until nothing remains; returns how many probes ran. Every 0.25 s: the end time comes from
     the database (the last finished_at), so a coarse poll loses no accuracy, while a fine one took CPU
     from the worker being measured on a 2-core machine."""
@@ -127,9 +128,9 @@ def throughput(server: BenchServer, system: RealSystem, n: int, logs: Path, time
     with _admin(server) as admin, psycopg.connect(dsn, autocommit=True) as conn:
         system.reset(conn)
         with procs.running(args, logs / f"{system.name}.log", env) as proc:
-            procs.wait_settled(admin, _dbname(system), proc)
+            procs.wait_settled(admin, dbname(system), proc)
             t0 = system.bulk_enqueue(dsn, n)
-            _wait_drained(conn, system, proc, timeout)
+            wait_drained(conn, system, proc, timeout)
             row = conn.execute(system.finished_sql).fetchone()
     assert row is not None and row[0] is not None
     elapsed = float(row[0]) - t0
@@ -197,7 +198,7 @@ def wake(server: BenchServer, systems: Sequence[RealSystem], count: int, logs: P
             env = {**env, "BENCH_STAMPS": str(_stamps(logs, s))}
             started[s.name] = stack.enter_context(procs.running(args, logs / f"{s.name}.log", env))
         for s in systems:
-            procs.wait_settled(admin, _dbname(s), started[s.name])
+            procs.wait_settled(admin, dbname(s), started[s.name])
         committed = asyncio.run(_produce(systems, dsns, count, label, logs))
         for s in systems:
             wait_until(_stamped(_stamps(logs, s), count + WAKE_WARMUP), 30.0, f"{s.name} wake stamps")
@@ -264,7 +265,7 @@ def per_job(loaded: dict[str, float], empty: dict[str, float], n: int, statement
 def cost(server: BenchServer, system: RealSystem, n: int, logs: Path) -> dict[str, Any]:
     """Cost per job of draining n preloaded no-op jobs through the system's real consumer."""
     dsn = server.dsn(system.db)
-    dbname = _dbname(system)
+    db = dbname(system)
     args, env = system.worker(dsn, "noop")
 
     def drain(count: int) -> Callable[[], int]:
@@ -273,15 +274,15 @@ def cost(server: BenchServer, system: RealSystem, n: int, logs: Path) -> dict[st
                 probes = 0
                 with procs.running(args, logs / f"{system.name}.log", env) as proc:
                     with _admin(server) as admin:
-                        procs.wait_settled(admin, dbname, proc, timeout=180.0)
-                    probes = _wait_drained(conn, system, proc, 120.0)
+                        procs.wait_settled(admin, db, proc, timeout=180.0)
+                    probes = wait_drained(conn, system, proc, 120.0)
             return probes
 
         return run
 
     with psycopg.connect(dsn, autocommit=True) as conn:
         system.reset(conn)
-    empty = measure_cost(server, dbname, drain(0))
+    empty = measure_cost(server, db, drain(0))
     system.bulk_enqueue(dsn, n)
-    loaded = measure_cost(server, dbname, drain(n))
+    loaded = measure_cost(server, db, drain(n))
     return per_job(loaded, empty, n, server.statements)

@@ -7,19 +7,38 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from .stats import median_interval, verdict
+
 PEERS = ("procrastinate", "pgqueuer")
 
-# name: (how the ratio reads, the target's comparison, the bound)
-TARGETS: dict[str, tuple[str, str, float]] = {
-    "pglane/floor_contract": ("throughput", ">=", 0.9),
-    "floor_contract/floor_one_commit": ("throughput", ">=", 0.6),
-    "pglane/best_peer": ("throughput", ">=", 3.0),
-    "wake_p99 pglane/floor_listen": ("wake p99 latency", "<=", 1.5),
+# name: (how the ratio reads, the target's comparison, the bound); comparison None: reported with its
+# interval, not judged. Every judged ratio has a bootstrap interval (from its repetitions, or from its
+# samples for latencies) and its verdict is "met", "missed" or "within noise" (bench.stats.verdict).
+# The slot-count ratios are added per slot count measured (see targets_for).
+TARGETS: dict[str, tuple[str, str | None, float | None]] = {
+    "pglane/floor_contract": ("throughput, one slot", ">=", 0.9),
+    "floor_contract/floor_one_commit": ("throughput, one slot", ">=", 0.6),
+    "pglane/best_peer": ("throughput, one slot", ">=", 3.0),
+    "wake_p50 pglane/floor_listen_contract": ("wake p50 latency", "<=", 1.2),
+    "wake_p50 pglane/best_peer": ("wake p50 latency", "<=", 0.5),
+    "wake_p99 pglane/floor_listen_contract": ("wake p99 latency", None, None),
+    "wake_p99 pglane/floor_listen": ("wake p99 latency", None, None),
     "claim_p50 max_backlog/1k": ("claim p50 latency", "<=", 1.3),
     "claim_p50 history/1k": ("claim p50 latency", "<=", 1.3),
     "enqueue_time bounded/unbounded": ("time per enqueue at 100k queued", "<=", 1.5),
     "takeover_s": ("median seconds", "<", 1.0),
 }
+
+
+def targets_for(slot_counts: list[int]) -> dict[str, tuple[str, str | None, float | None]]:
+    """TARGETS plus, for every slot count N > 1: pglane at N slots over pglane at one (never slower:
+    >= 0.95) and pglane over the better peer at the same concurrency (>= 3)."""
+    found = dict(TARGETS)
+    for n in slot_counts:
+        if n > 1:
+            found[f"pglane slots{n}/slots1"] = (f"throughput, {n} slots", ">=", 0.95)
+            found[f"pglane/best_peer @{n} slots"] = (f"throughput, {n} slots", ">=", 3.0)
+    return found
 
 
 # Where the wake-latency gap is (reported beside the targets, no bound): floor_listen_contract runs
@@ -37,50 +56,95 @@ def _div(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
-def _throughput(results: dict[str, Any], name: str) -> float | None:
-    entry = results.get(name, {}).get("throughput_jobs_per_s")
-    return None if entry is None else float(entry["median"])
+def _runs(block: dict[str, Any], name: str, slots: int) -> list[float] | None:
+    for entry in block.get("concurrency", []):
+        if entry["slots"] == slots:
+            found = entry["results"].get(name, {}).get("throughput_jobs_per_s", {}).get("runs")
+            return list(found) if found else None
+    return None
 
 
-def _paired(results: dict[str, Any], a: str, b: str | list[str]) -> float | None:
-    """Throughput of ``a`` over ``b`` (or the best of several), as the median of the ratios taken within
-    each repetition: the runs of one repetition ran back to back, so they share the machine's state
-    (slow drifts of the disk's fsync time cancel out). Falls back to the ratio of the medians."""
-    runs_a = results.get(a, {}).get("throughput_jobs_per_s", {}).get("runs")
-    names = [b] if isinstance(b, str) else b
-    runs_b = [results.get(n, {}).get("throughput_jobs_per_s", {}).get("runs") for n in names]
-    runs_b = [r for r in runs_b if r]
-    if runs_a and runs_b and all(len(r) == len(runs_a) for r in runs_b):
-        return float(statistics.median(x / max(r[i] for r in runs_b) for i, x in enumerate(runs_a)))
-    best = [t for t in (_throughput(results, n) for n in names) if t is not None]
-    return _div(_throughput(results, a), max(best) if best else None)
+def paired(block: dict[str, Any], a: tuple[str, int], b: list[tuple[str, int]]
+           ) -> tuple[float | None, tuple[float, float] | None]:
+    """Throughput of system ``a`` at its slot count over the best of ``b``: the median of the ratios
+    taken within each repetition (every (system, slots) drain of one repetition ran in one rotation,
+    so they share the machine's state), and the bootstrap 90% interval of that median."""
+    runs_a = _runs(block, *a)
+    runs_b = [r for r in (_runs(block, *x) for x in b) if r]
+    if not runs_a or not runs_b or any(len(r) != len(runs_a) for r in runs_b):
+        return None, None
+    per_rep = [x / max(r[i] for r in runs_b) for i, x in enumerate(runs_a)]
+    return float(statistics.median(per_rep)), median_interval(per_rep)
 
 
-def ratios(doc: dict[str, Any]) -> dict[str, float | None]:
-    results = doc["results"]
-    peers = [t for t in (_throughput(results, p) for p in PEERS) if t is not None]
-    claims = doc.get("claim_latency", [])
+def ratios(block: dict[str, Any]) -> dict[str, float | None]:
+    """Every ratio of targets_for; the throughput ones' intervals go into block["intervals"]."""
+    results = block["results"]
+    intervals = block.setdefault("intervals", {})
+    claims = block.get("claim_latency", [])
     base = next((c for c in claims if c["queued"] == 1_000 and c["finished"] == 0), None)
     deepest = max((c for c in claims if c["finished"] == 0), key=lambda c: c["queued"], default=None)
     history = max((c for c in claims if c["finished"] > 0), key=lambda c: c["finished"], default=None)
-    enqueue = doc.get("enqueue", {})
+    enqueue = block.get("enqueue", {})
 
     def rate(name: str) -> float | None:
         value = enqueue.get(name, {}).get("jobs_per_s", {}).get("median")
         return None if value is None else float(value)
 
-    return {
-        "pglane/floor_contract": _paired(results, "pglane", "floor_contract"),
-        "floor_contract/floor_one_commit": _paired(results, "floor_contract", "floor_one_commit"),
-        "pglane/best_peer": _paired(results, "pglane", list(PEERS)) if peers else None,
-        "wake_p99 pglane/floor_listen": _div(results.get("pglane", {}).get("wake_p99_ms"),
-                                             results.get("floor_listen", {}).get("wake_p99_ms")),
+    def wake(a: str, b: str | list[str], key: str) -> float | None:
+        others = [results.get(x, {}).get(key) for x in ([b] if isinstance(b, str) else b)]
+        found = [x for x in others if x is not None]
+        return _div(results.get(a, {}).get(key), min(found) if found else None)
+
+    out: dict[str, float | None] = {}
+
+    def throughput(name: str, a: tuple[str, int], b: list[tuple[str, int]]) -> None:
+        value, interval = paired(block, a, b)
+        out[name] = value
+        if interval is not None:
+            intervals[name] = list(interval)
+
+    throughput("pglane/floor_contract", ("pglane", 1), [("floor", 1)])
+    throughput("floor_contract/floor_one_commit", ("floor", 1), [("floor_one_commit", 1)])
+    throughput("pglane/best_peer", ("pglane", 1), [(p, 1) for p in PEERS])
+    for entry in block.get("concurrency", []):
+        n = entry["slots"]
+        if n > 1:
+            throughput(f"pglane slots{n}/slots1", ("pglane", n), [("pglane", 1)])
+            throughput(f"pglane/best_peer @{n} slots", ("pglane", n), [(p, n) for p in PEERS])
+    out.update({
+        "wake_p50 pglane/floor_listen_contract": wake("pglane", "floor_listen_contract", "wake_p50_ms"),
+        "wake_p50 pglane/best_peer": wake("pglane", list(PEERS), "wake_p50_ms"),
+        "wake_p99 pglane/floor_listen_contract": wake("pglane", "floor_listen_contract", "wake_p99_ms"),
+        "wake_p99 pglane/floor_listen": wake("pglane", "floor_listen", "wake_p99_ms"),
         "claim_p50 max_backlog/1k": _div(deepest["p50_ms"] if deepest else None, base["p50_ms"] if base else None),
         "claim_p50 history/1k": _div(history["p50_ms"] if history else None, base["p50_ms"] if base else None),
         # time per enqueue, bounded over unbounded = unbounded rate over bounded rate
         "enqueue_time bounded/unbounded": _div(rate("insert_unbounded_100k"), rate("insert_bounded_100k")),
-        "takeover_s": doc.get("takeover_s", {}).get("median"),
-    }
+        "takeover_s": block.get("takeover_s", {}).get("median"),
+    })
+    return out
+
+
+# Reported beside the targets, not judged: how each system scales with slots, and pglane against the
+# floors at the same concurrency (floor keeps all of pglane's guarantees: it is pglane's SQL;
+# floor_seq keeps only the gapless seq; floor_one_commit none).
+SCALING = ("pglane", "floor", "floor_seq", "floor_one_commit", "procrastinate", "pgqueuer")
+
+
+def concurrency_ratios(block: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for entry in block.get("concurrency", []):
+        n = entry["slots"]
+        row: dict[str, Any] = {"slots": n}
+        for name in ("floor", "floor_seq", "floor_one_commit"):
+            value, interval = paired(block, ("pglane", n), [(name, n)])
+            row[f"pglane/{name}"] = {"value": value, "interval_90": list(interval) if interval else None}
+        for name in SCALING:
+            value, interval = paired(block, (name, n), [(name, 1)])
+            row[f"{name} slots{n}/slots1"] = {"value": value, "interval_90": list(interval) if interval else None}
+        rows.append(row)
+    return rows
 
 
 def wake_split(doc: dict[str, Any]) -> dict[str, float | None]:
@@ -88,25 +152,30 @@ def wake_split(doc: dict[str, Any]) -> dict[str, float | None]:
     return {name: _div(results.get(a, {}).get(key), results.get(b, {}).get(key)) for name, a, b, key in WAKE_SPLIT}
 
 
-def verdicts(values: dict[str, float | None],
-             intervals: dict[str, tuple[float, float]] | None = None) -> dict[str, dict[str, Any]]:
-    """Each target met or not by its measured value; where the ratio has a bootstrap interval
-    (the wake p99), ``within_noise`` says whether the bound lies inside it, i.e. whether another run
-    on the same machine could as well have given the other verdict."""
+def verdicts(values: dict[str, float | None], intervals: dict[str, Any] | None = None,
+             slot_counts: list[int] | None = None) -> dict[str, dict[str, Any]]:
+    """Each target: its value, the target, the 90% bootstrap interval and the verdict ("met", "missed",
+    "within noise" when the interval spans the bound, "not judged" for the reported-only p99 ratios,
+    "-" when not measured)."""
     out: dict[str, dict[str, Any]] = {}
-    for name, (what, op, bound) in TARGETS.items():
+    for name, (what, op, bound) in targets_for(slot_counts or [1]).items():
+        if name not in values:
+            continue
         value = values.get(name)
-        met = None if value is None else {"<": value < bound, "<=": value <= bound, ">=": value >= bound}[op]
-        out[name] = {"value": value, "target": f"{op} {bound:g}", "of": what, "met": met}
-        interval = (intervals or {}).get(name)
-        if interval is not None:
-            out[name].update({"interval_90": list(interval), "within_noise": interval[0] <= bound <= interval[1]})
+        found = (intervals or {}).get(name)
+        interval = (float(found[0]), float(found[1])) if found else None
+        if op is None or bound is None:
+            text, target = ("-" if value is None else "not judged"), "reported"
+        else:
+            text, target = verdict(interval, value, op, bound), f"{op} {bound:g}"
+        out[name] = {"value": value, "target": target, "interval_90": list(interval) if interval else None,
+                     "verdict": text, "of": what}
     return out
 
 
 def _verdict(v: dict[str, Any]) -> str:
-    text = {True: "met", False: "**missed**", None: "-"}[v["met"]]
-    return text + (" (within noise: the interval spans the target)" if v.get("within_noise") else "")
+    text = str(v["verdict"])
+    return "**missed**" if text == "missed" else text
 
 
 def _f(value: Any, digits: int = 2) -> str:
@@ -123,14 +192,19 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _interval(v: Any) -> str:
+    return "{:.2f}-{:.2f}".format(*v) if v else ""
+
+
 def markdown(doc: dict[str, Any]) -> str:
     parts: list[str] = []
     pg = doc["postgres"]
     settings = pg["settings"]
-    parts.append(f"**{pg['version'].split(' on ')[0]}**, {pg.get('cpus')} CPUs, synchronous_commit="
+    sizes = doc["sizes"]
+    parts.append(f"## {pg['version'].split(' on ')[0]}\n\n{pg.get('cpus')} CPUs, synchronous_commit="
                  f"{settings.get('synchronous_commit')}, fsync={settings.get('fsync')}, shared_buffers="
-                 f"{settings.get('shared_buffers')}; mode: {doc['mode']}, {doc['sizes']['throughput_jobs']} jobs"
-                 f" per drain x {doc['sizes']['repetitions']} interleaved runs")
+                 f"{settings.get('shared_buffers')}; mode: {doc['mode']}, drains of about {sizes['drain_seconds']:g} s"
+                 f" (at most {sizes['throughput_jobs']} jobs) x {sizes['repetitions']} interleaved repetitions")
     load = doc.get("machine", {})
     if load.get("loadavg_start"):
         busy = max(load["loadavg_start"][0], (load.get("loadavg_end") or [0])[0])
@@ -144,7 +218,34 @@ def markdown(doc: dict[str, Any]) -> str:
                      _f(tp["median"], 0) if tp else "-",
                      f"{tp['min']:,.0f}-{tp['max']:,.0f}" if tp else "-",
                      _f(entry.get("wake_p50_ms")), _f(entry.get("wake_p95_ms")), _f(entry.get("wake_p99_ms"))])
-    parts.append(_table(["system", "jobs/s (median)", "range", "wake p50 ms", "p95 ms", "p99 ms"], rows))
+    parts.append(_table(["system (one slot)", "jobs/s (median)", "range", "wake p50 ms", "p95 ms", "p99 ms"], rows))
+    conc = doc.get("concurrency", [])
+    if conc:
+        names = [n for n in ("pglane", "procrastinate", "pgqueuer", "floor", "floor_seq", "floor_one_commit")
+                 if any(n in e["results"] for e in conc)]
+        crow = []
+        for e in conc:
+            cells = []
+            for n in names:
+                tp = e["results"].get(n, {}).get("throughput_jobs_per_s")
+                cells.append(f"{tp['median']:,.0f} ({tp['min']:,.0f}-{tp['max']:,.0f})" if tp else "-")
+            crow.append([str(e["slots"]), *cells])
+        parts.append(_table(["slots", *[f"{n} jobs/s" for n in names]], crow))
+        rrows = []
+        for row in concurrency_ratios(doc):
+            rrows.append([str(row["slots"]), *[
+                f"{_f(v['value'])} ({_interval(v['interval_90'])})" for k, v in row.items() if k != "slots"]])
+        header = [k for k in concurrency_ratios(doc)[0] if k != "slots"]
+        parts.append(_table(["slots", *header], rrows))
+    watched = doc.get("where_the_time_goes", {})
+    if watched:
+        wrows = []
+        for key, w in watched.items():
+            states = ", ".join(f"{k} {v:.0%}" for k, v in list(w["backend_states"].items())[:5])
+            wrows.append([key, _f(w["jobs_per_s"], 0), _f(w["consumer_cpu_us_per_job"], 0),
+                          _f(w["backend_cpu_us_per_job"], 0), f"{w['machine_cpu_busy']:.0%}", states])
+        parts.append(_table(["watched drain", "jobs/s", "consumer CPU us/job", "backend CPU us/job",
+                             "machine CPU busy", "server sessions' states (share of samples)"], wrows))
     claims = [[f"{c['queued']:,}", f"{c['finished']:,}", _f(c["p50_ms"], 3), _f(c["p99_ms"], 3)]
               for c in doc.get("claim_latency", [])]
     parts.append(_table(["queued", "finished", "claim p50 ms", "claim p99 ms"], claims))
@@ -160,15 +261,30 @@ def markdown(doc: dict[str, Any]) -> str:
     if take:
         parts.append(f"takeover after SIGKILL: median {take['median']:.3f} s (range {take['min']:.3f}-"
                      f"{take['max']:.3f} s, {len(take['runs'])} kills)")
-    target_rows = [[name, _f(v["value"], 3),
-                    "{:.2f}-{:.2f}".format(*v["interval_90"]) if v.get("interval_90") else "",
-                    v["target"], v["of"], _verdict(v)]
+    target_rows = [[name, _f(v["value"], 3), _interval(v.get("interval_90")), v["target"], v["of"], _verdict(v)]
                    for name, v in doc.get("targets", {}).items()]
     parts.append(_table(["ratio", "value", "90% interval", "target", "of", "verdict"], target_rows))
     split = doc.get("wake_split", {})
     if any(v is not None for v in split.values()):
         parts.append(_table(["where the wake latency goes", "ratio"], [[k, _f(v, 3)] for k, v in split.items()]))
     return "\n\n".join(parts) + "\n"
+
+
+def versions_table(blocks: list[dict[str, Any]]) -> str:
+    """Every server's verdicts side by side: one row per target, one column per server."""
+    names: list[str] = []
+    for b in blocks:
+        names += [n for n in b.get("targets", {}) if n not in names]
+    header = ["ratio", *[b["postgres"]["version"].split(" on ")[0].split(" (")[0] for b in blocks]]
+    rows = []
+    for name in names:
+        cells = []
+        for b in blocks:
+            v = b.get("targets", {}).get(name)
+            cells.append("-" if v is None or v["value"] is None else
+                         f"{v['value']:.2f} [{_interval(v.get('interval_90'))}] {_verdict(v)}")
+        rows.append([name, *cells])
+    return "## every server\n\n" + _table(header, rows) + "\n"
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:

@@ -1,0 +1,162 @@
+"""One server's run: the scenarios, in order, each writing its figures into the server's block.
+
+A scenario is a function ``(Context) -> None`` in SCENARIOS. It measures on ``ctx.server`` and writes
+into ``ctx.block`` (the server's part of the JSON: ``results[system]`` for per-system figures, its own
+key for anything else) and, for a ratio the report judges, the ratio's bootstrap interval into
+``ctx.block["intervals"]`` (bench.stats.ratio_interval / median_interval). A scenario that raises is
+recorded under ``errors`` and the others still run.
+
+To add one (a rate-limited lane, waiters, a prune beside a worker, ...): write the function here or in
+a module of its own (its lanes made in its own setup, or in Pglane.setup), add it to SCENARIOS (its
+name becomes a choice of ``--only``), and, if the report should judge a ratio of it, compute the
+ratio in ``report.ratios`` and add its bound to ``report.TARGETS``.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import floors, real
+from . import throughput as tp
+from .peers import Pgqueuer, Procrastinate
+from .pglane_runs import Pglane, claim_latency, enqueue_throughput, takeover
+from .server import BenchServer
+from .stats import Sizes, latency_ms, median_interval, progress, ratio_interval
+
+PEERS = ("procrastinate", "pgqueuer")
+
+
+@dataclass
+class Context:
+    server: BenchServer
+    sizes: Sizes
+    logs: Path
+    slot_counts: tuple[int, ...]
+    block: dict[str, Any]
+    pglane: Pglane = field(default_factory=Pglane)
+    peers: list[real.RealSystem] = field(default_factory=lambda: [Procrastinate(), Pgqueuer()])
+    listeners: list[real.RealSystem] = field(
+        default_factory=lambda: [floors.FloorListen(), floors.FloorListenContract()])
+
+    @property
+    def results(self) -> dict[str, dict[str, Any]]:
+        found: dict[str, dict[str, Any]] = self.block["results"]
+        return found
+
+    def interval(self, name: str, value: tuple[float, float]) -> None:
+        self.block["intervals"][name] = list(value)
+
+
+def setup(ctx: Context) -> None:
+    progress("setting up schemas")
+    for system in (ctx.pglane, *ctx.peers, *ctx.listeners):
+        system.setup(ctx.server.dsn(system.db))
+    tp.setup(ctx.server, ctx.slot_counts)
+
+
+# ----- the scenarios -----------------------------------------------------------------------------
+
+def throughput(ctx: Context) -> None:
+    """Every system at every slot count (bench.throughput); the one-slot figures are also the
+    single-consumer ones of ``results`` (floor_contract is ``floor`` at one slot)."""
+    found = tp.measure(ctx.server, ctx.sizes, ctx.slot_counts, ctx.logs)
+    ctx.block["concurrency"] = found["concurrency"]
+    ctx.block["where_the_time_goes"] = found["where_the_time_goes"]
+    one = next((e for e in found["concurrency"] if e["slots"] == 1), None)
+    if one is not None:
+        for name, entry in one["results"].items():
+            ctx.results.setdefault("floor_contract" if name == "floor" else name, {}).update(entry)
+
+
+def wake(ctx: Context) -> None:
+    systems = [ctx.pglane, *ctx.peers, *ctx.listeners]
+    samples = real.wake(ctx.server, systems, ctx.sizes.wake_jobs, ctx.logs, "wake: round")
+    progress("wake: bootstrap intervals")
+    ctx.interval("wake_p50 pglane/floor_listen_contract",
+                 ratio_interval(samples["pglane"], samples["floor_listen_contract"], 50))
+    ctx.interval("wake_p50 pglane/best_peer", ratio_interval(samples["pglane"], [samples[p] for p in PEERS], 50))
+    ctx.interval("wake_p99 pglane/floor_listen_contract",
+                 ratio_interval(samples["pglane"], samples["floor_listen_contract"], 99))
+    ctx.interval("wake_p99 pglane/floor_listen", ratio_interval(samples["pglane"], samples["floor_listen"], 99))
+    for name, values in samples.items():
+        stats = latency_ms(values)
+        ctx.results.setdefault(name, {}).update({
+            "wake_p50_ms": stats["p50_ms"], "wake_p95_ms": stats["p95_ms"], "wake_p99_ms": stats["p99_ms"],
+            "wake_jobs": len(values)})
+
+
+def claims(ctx: Context) -> None:
+    cases = []
+    samples = []
+    for queued, finished in ctx.sizes.claim_cases:
+        case, times = claim_latency(ctx.server.dsn("pglane"), ctx.server.admin_dsn, queued, finished,
+                                    ctx.sizes.claims_per_case, f"claims: {queued:,} queued + {finished:,} finished")
+        cases.append(case)
+        samples.append(times)
+    ctx.block["claim_latency"] = cases
+    base = next((i for i, c in enumerate(cases) if c["queued"] == 1_000 and c["finished"] == 0), None)
+    if base is None:
+        return
+    deepest = max((i for i, c in enumerate(cases) if c["finished"] == 0), key=lambda i: cases[i]["queued"])
+    history = max((i for i, c in enumerate(cases) if c["finished"] > 0), key=lambda i: cases[i]["finished"],
+                  default=None)
+    ctx.interval("claim_p50 max_backlog/1k", ratio_interval(samples[deepest], samples[base], 50))
+    if history is not None:
+        ctx.interval("claim_p50 history/1k", ratio_interval(samples[history], samples[base], 50))
+
+
+def takeovers(ctx: Context) -> None:
+    found = takeover(ctx.server.dsn("pglane"), ctx.server.admin_dsn, ctx.sizes.takeover_kills, ctx.logs)
+    ctx.block["takeover_s"] = found
+    ctx.interval("takeover_s", median_interval(found["runs"]))
+
+
+def enqueue(ctx: Context) -> None:
+    found = enqueue_throughput(ctx.server.dsn("pglane"), ctx.server.admin_dsn, ctx.sizes.enqueue_jobs,
+                               ctx.sizes.bounded_backlog, ctx.sizes.repetitions)
+    ctx.block["enqueue"] = found
+    unbounded = found["insert_unbounded_100k"]["jobs_per_s"]["runs"]
+    bounded = found["insert_bounded_100k"]["jobs_per_s"]["runs"]
+    per_rep = [u / b for u, b in zip(unbounded, bounded, strict=True)]
+    ctx.interval("enqueue_time bounded/unbounded", median_interval(per_rep))
+
+
+def cost(ctx: Context) -> None:
+    consumers: dict[str, real.RealSystem] = {s.name: s for s in (ctx.pglane, *ctx.peers)}
+    costs: dict[str, Any] = {}
+    for name in ("pglane", *PEERS, "floor_two_commits", "floor_one_commit", "floor_contract"):
+        progress(f"cost per job: {name}")
+        if name in consumers:
+            costs[name] = real.cost(ctx.server, consumers[name], ctx.sizes.cost_jobs, ctx.logs)
+        else:
+            costs[name] = floors.cost(ctx.server, name, ctx.sizes.cost_jobs)
+    ctx.block["cost_per_job"] = costs
+
+
+Scenario = Callable[[Context], None]
+SCENARIOS: dict[str, Scenario] = {  # run in this order
+    "throughput": throughput,
+    "wake": wake,
+    "claims": claims,
+    "takeover": takeovers,
+    "enqueue": enqueue,
+    "cost": cost,
+}
+
+
+def run(ctx: Context, only: set[str]) -> None:
+    """The chosen scenarios in SCENARIOS' order; one that raises is recorded under ``errors``."""
+    setup(ctx)
+    for name, scenario in SCENARIOS.items():
+        if name not in only:
+            continue
+        try:
+            scenario(ctx)
+        except Exception as exc:  # one broken scenario must not lose the others' figures
+            ctx.block["errors"][name] = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc(file=sys.stderr)
