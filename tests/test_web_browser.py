@@ -32,7 +32,7 @@ from pglane import queries  # noqa: E402
 from tests.conftest import ROOT, Ledger, Workers, take_slot, wait_until  # noqa: E402
 from tests.test_web import TOKEN, WebServer, operator_dsn  # noqa: E402, F401 - operator_dsn: the fixture, shared
 
-SCREENSHOTS = ROOT / "docs" / "screenshots"
+SCREENSHOTS = ROOT / "docs" / "screenshots"  # written by these tests: lanes.png, failed-job.png, confirm-retry.png
 VIEWPORT = {"width": 1280, "height": 900}
 
 
