@@ -320,7 +320,10 @@ def test_the_refreshed_fragment_is_the_pages_inner_part(page: TestClient, conn: 
 def test_the_last_hour_counts_attempts_per_minute_depth_and_wait(
     page: TestClient, conn: Any, lane: str, session: Callable[..., Any]
 ) -> None:
+    pglane.create_lane(conn, "email", job_timeout=60)
     worker = session()
+    before_the_hour = pglane.enqueue(conn, "email", {})  # waiting since before the hour began
+    conn.execute("UPDATE pglane.jobs SET created_at = now() - interval '2 hours' WHERE id = %s", (before_the_hour,))
     waiting = [pglane.enqueue(conn, lane, {}) for _ in range(3)]
     conn.execute("UPDATE pglane.jobs SET created_at = created_at - interval '3 seconds' WHERE id = ANY(%s)",
                  (waiting,))
@@ -329,8 +332,10 @@ def test_the_last_hour_counts_attempts_per_minute_depth_and_wait(
     worker.execute(queries.COMPLETE, (first["attempt_id"], "{}", first["token"]))
     second = claimed(worker, lane)
     worker.execute(queries.FAIL, (second["attempt_id"], "boom", False, second["token"]))
-    rows = [r for r in conn.execute(web_queries.LAST_HOUR).fetchall() if r["lane"] == lane]
-    assert len(rows) == 60
+    every = conn.execute(web_queries.LAST_HOUR).fetchall()
+    assert [r["depth"] for r in every if r["lane"] == "email"] == [1] * 60
+    rows = [r for r in every if r["lane"] == lane]
+    assert len(rows) == 60 and rows[0]["depth"] == 0
     assert sum(r["started"] for r in rows) == 2 and sum(r["finished"] for r in rows) == 1
     assert sum(r["failed"] for r in rows) == 1
     assert rows[-1]["depth"] == 1  # one job still queued now

@@ -25,8 +25,9 @@ JOB_PAYLOAD: LiteralString = "SELECT payload FROM pglane.jobs WHERE id = %s"
 # its own). A job is in the queue from its enqueue to its first attempt's start, and again from the end
 # of attempt k to the start of attempt k+1 (or until now, or until it was cancelled). The moment of a
 # retry by hand is not recorded, so a job retried by hand counts as queued from its previous attempt's
-# end: the depth over-counts such a job for the time it sat failed. `depth` is sampled at the end of
-# each minute (now, for the current one); `wait_avg`/`wait_max` are the seconds from entering the queue
+# end: the depth over-counts such a job for the time it sat failed. `depth` is counted at the end of
+# each minute (now, for the current one) as a running sum of the waits begun and ended, so its cost
+# follows the hour's jobs, not sixty times them; `wait_avg`/`wait_max` are the seconds from entering the queue
 # to the start of the attempts that started in that minute. Only jobs queued or running now or finished
 # within the hour can have a point in the hour; reading them scans pglane.jobs once.
 LAST_HOUR: LiteralString = """
@@ -52,12 +53,19 @@ WITH span AS (
       LEFT JOIN att a ON a.job_id = r.id AND a.attempt_number = k
       LEFT JOIN att p ON p.job_id = r.id AND p.attempt_number = k - 1
 ), minutes AS (
-    SELECT l.name AS lane, m AS minute, least(m + interval '1 minute', now()) AS sample
+    SELECT l.name AS lane, m AS minute
       FROM pglane.lanes l, span, generate_series(span.since, date_trunc('minute', now()), interval '1 minute') AS m
-), depth AS (
-    SELECT m.lane, m.minute, count(w.lane) AS depth
-      FROM minutes m LEFT JOIN waits w ON w.lane = m.lane AND w.entered <= m.sample AND w.left_at > m.sample
-     GROUP BY 1, 2
+), moves AS (  -- +1 where a wait began (at the first minute for one begun before the hour), -1 where it ended
+    SELECT w.lane, greatest(date_trunc('minute', w.entered), s.since) AS minute, 1 AS delta
+      FROM waits w, span s WHERE w.entered <= now() AND w.left_at > s.since
+    UNION ALL
+    SELECT w.lane, date_trunc('minute', w.left_at), -1
+      FROM waits w, span s WHERE w.left_at > s.since AND w.left_at <= now()
+), depth AS (  -- a running sum of the moves: the waits begun and not ended by the end of each minute
+    SELECT m.lane, m.minute, sum(coalesce(d.delta, 0)) OVER (PARTITION BY m.lane ORDER BY m.minute) AS depth
+      FROM minutes m
+      LEFT JOIN (SELECT lane, minute, sum(delta) AS delta FROM moves GROUP BY 1, 2) d
+        ON d.lane = m.lane AND d.minute = m.minute
 ), started AS (
     SELECT lane, date_trunc('minute', left_at) AS minute, count(*) AS started,
            extract(epoch FROM avg(left_at - entered)) AS wait_avg,
