@@ -387,10 +387,15 @@ def test_pglane_web_listens_on_127_0_0_1_only_by_default(operator_dsn: str, lane
     try:
         assert server.host == "127.0.0.1" and "read-only" in server.log()
         assert _listening_addresses(server.port) == {"127.0.0.1"}
+        import urllib.error
         import urllib.request
 
         with urllib.request.urlopen(server.url + "/", timeout=10) as response:
             assert 'id="lane-brain"' in response.read().decode()
+        rebound = urllib.request.Request(server.url + "/", headers={"Host": f"rebound.example:{server.port}"})
+        with pytest.raises(urllib.error.HTTPError) as refused:  # a DNS name rebound to 127.0.0.1 reads nothing
+            urllib.request.urlopen(rebound, timeout=10)
+        assert refused.value.code == 400
     finally:
         server.stop()
 

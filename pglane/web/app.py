@@ -16,7 +16,7 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -29,6 +29,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Mount, Route
@@ -277,9 +278,10 @@ def _run_action(dsn: str, action: str, target: str) -> str:
         return said + (f"; {stuck} attempt(s) still stuck past their lease" if stuck else "")
 
 
-def create_app(dsn: str, *, token: str | None = None) -> Starlette:
+def create_app(dsn: str, *, token: str | None = None, allowed_hosts: Sequence[str] | None = None) -> Starlette:
     """The page for the database at ``dsn``: read-only unless ``token`` is given (pglane.web.security's
-    check_token decides whether actions may be allowed)."""
+    check_token decides whether actions may be allowed). ``allowed_hosts``: the Host headers answered
+    (others get 400, so that a site rebinding its DNS name to 127.0.0.1 cannot read the page); None: any."""
     page = Page(dsn, Guard(token))
 
     @asynccontextmanager
@@ -300,7 +302,8 @@ def create_app(dsn: str, *, token: str | None = None) -> Starlette:
             Route("/actions/{action}", page.act, methods=["POST"], name="act"),
             Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
         ],
-        middleware=[Middleware(SecurityHeaders)],
+        middleware=[Middleware(SecurityHeaders),
+                    Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts or ["*"]))],
         exception_handlers={HTTPException: handler, PoolTimeout: handler, psycopg.OperationalError: handler,
                             PglaneError: handler},
         lifespan=lifespan,

@@ -7,6 +7,7 @@ The socket is bound here, before uvicorn starts, so that ``--port 0`` takes a fr
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import socket
 import sys
@@ -19,6 +20,9 @@ from .app import create_app
 from .security import check_token
 
 TOKEN_ENV = "PGLANE_WEB_TOKEN"
+# The Host headers a page listening on loopback answers: a browser on this machine, or a reverse proxy
+# passing its upstream's address (nginx's default). A DNS name rebound to 127.0.0.1 gets 400.
+LOOPBACK_NAMES = ("127.0.0.1", "localhost")
 
 
 def read_token(token_file: str | None) -> str | None:
@@ -57,7 +61,14 @@ def main(dsn: str, args: argparse.Namespace) -> int:
     shown = f"[{host}]" if ":" in host else host
     print(f"pglane web on http://{shown}:{port}/ ({'actions allowed with the token' if token else 'read-only'})",
           file=sys.stderr, flush=True)
-    config = uvicorn.Config(create_app(dsn, token=token), log_level="warning", root_path=args.root_path or "",
+    loopback = ipaddress.ip_address(host).is_loopback
+    if not loopback:
+        print(f"pglane web: listening on {host}, beyond this machine: put a reverse proxy that authenticates "
+              "people in front of it", file=sys.stderr)
+    # A loopback page answers loopback names only (IPv4: Starlette's host check cannot parse "[::1]:PORT").
+    allowed = LOOPBACK_NAMES if loopback and ":" not in host else None
+    config = uvicorn.Config(create_app(dsn, token=token, allowed_hosts=allowed), log_level="warning",
+                            root_path=args.root_path or "",
                             proxy_headers=False, server_header=False)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
