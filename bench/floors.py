@@ -64,6 +64,21 @@ BEGIN
     RETURN QUERY UPDATE floor_jobs j SET status = 'running', started_at = now(), seq = v_seq WHERE j.id = v_id
                  RETURNING j.id, j.payload;
 END $$;
+-- floor_one_commit's two statements in a plpgsql function: what plpgsql itself costs (bench.experiments)
+CREATE FUNCTION floor_claim_plpgsql(p_prev bigint) RETURNS TABLE (id bigint, payload jsonb) LANGUAGE plpgsql AS $$
+DECLARE
+    v_id bigint;
+BEGIN
+    IF p_prev IS NOT NULL THEN
+        UPDATE floor_jobs j SET status = 'done', finished_at = now() WHERE j.id = p_prev;
+    END IF;
+    SELECT j.id INTO v_id FROM floor_jobs j WHERE j.status = 'queued' ORDER BY j.id LIMIT 1 FOR UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    RETURN QUERY UPDATE floor_jobs j SET status = 'running', started_at = now() WHERE j.id = v_id
+                 RETURNING j.id, j.payload;
+END $$;
 CREATE FUNCTION floor_wake() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     PERFORM pg_notify('floor_wake', '');
@@ -82,6 +97,7 @@ COMPLETE_AND_CLAIM = f"WITH done AS ({COMPLETE}) {CLAIM}"
 # picked, as pglane.claim does (a claim that rolls back rolls its bump back: no gap). A plpgsql
 # function as pglane's claim is (one statement of data-modifying CTEs deadlocked between two claimers).
 COMPLETE_AND_CLAIM_SEQ = "SELECT * FROM floor_claim_seq(%(prev)s)"
+COMPLETE_AND_CLAIM_PLPGSQL = "SELECT * FROM floor_claim_plpgsql(%(prev)s)"
 MAX_SECONDS = 300.0
 
 
@@ -280,6 +296,24 @@ def _drain_bare(conn: psycopg.Connection[Any], statement: Any) -> None:
         prev = row[0]
 
 
+def _drain_seq_flush(conn: psycopg.Connection[Any]) -> None:
+    """floor_seq with its commit not waited for (the counters row lock is then released before the WAL
+    flush), followed by a durable commit of its own (an xid, nothing written: its commit record's flush
+    covers the claim's) before the job runs: a claim is still durable before its call, and the seq
+    still gapless in the durable history (WAL is one sequence: a claim lost in a crash takes every
+    later one with it). Two round trips; bench.experiments measures whether it lifts the slots ceiling."""
+    prev: int | None = None
+    while True:
+        with conn.transaction():
+            conn.execute("SET LOCAL synchronous_commit = off")
+            row = conn.execute(COMPLETE_AND_CLAIM_SEQ, {"prev": prev}).fetchone()
+        if row is None:
+            return
+        conn.execute("SELECT txid_current()")  # autocommit, durable: flushes the claim's commit too
+        handler(row[1])
+        prev = row[0]
+
+
 def _drain_two_commits(conn: psycopg.Connection[Any]) -> None:
     while (row := conn.execute(CLAIM).fetchone()) is not None:
         handler(row[1])
@@ -295,7 +329,7 @@ def _drain_contract(conn: psycopg.Connection[Any], lane: str) -> None:
                                                            row["token"])).fetchone()
 
 
-SERVE_KINDS = ("one_commit", "seq", "two_commits", "contract")
+SERVE_KINDS = ("one_commit", "seq", "two_commits", "contract", "plpgsql", "seq_flush")
 
 
 def serve_main(bare_dsn: str, contract_dsn: str, slot: int, lane: str) -> int:
@@ -320,6 +354,10 @@ def serve_main(bare_dsn: str, contract_dsn: str, slot: int, lane: str) -> int:
                 _drain_bare(bare, COMPLETE_AND_CLAIM_SEQ)
             elif kind == "two_commits":
                 _drain_two_commits(bare)
+            elif kind == "plpgsql":
+                _drain_bare(bare, COMPLETE_AND_CLAIM_PLPGSQL)
+            elif kind == "seq_flush":
+                _drain_seq_flush(bare)
             else:
                 _drain_contract(conn, lane)
             print(f"done {time.time():.6f}", flush=True)

@@ -172,8 +172,8 @@ class FloorPool:
     """N ``python -m bench.floors serve`` processes (slot i held by process i on the floor lane of N
     slots); ``go KIND`` on their stdin makes each drain that floor's jobs."""
 
-    def __init__(self, slots: int) -> None:
-        self.slots = slots
+    def __init__(self, slots: int, bare_db: str = "floor", contract_db: str = "pglane") -> None:
+        self.slots, self.bare_db, self.contract_db = slots, bare_db, contract_db
         self.lane = floor_lane(slots)
         self.procs: list[subprocess.Popen[bytes]] = []
         self.started = False
@@ -182,8 +182,9 @@ class FloorPool:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(procs.ROOT),
                                                                           os.environ.get("PYTHONPATH")]))}
         for i in range(self.slots):
-            args = ["-m", "bench.floors", "serve", server.dsn("floor"), server.dsn("pglane"), str(i + 1), self.lane]
-            with (logs / f"floors-s{self.slots}-{i}.log").open("ab") as err:
+            args = ["-m", "bench.floors", "serve", server.dsn(self.bare_db), server.dsn(self.contract_db), str(i + 1),
+                    self.lane]
+            with (logs / f"floors-{self.contract_db}-s{self.slots}-{i}.log").open("ab") as err:
                 self.procs.append(subprocess.Popen([sys.executable, *args], cwd=procs.ROOT, env=env,
                                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err))
 
@@ -213,12 +214,13 @@ class FloorPool:
 
 class FloorGroup(Group):
     KINDS: ClassVar[dict[str, str]] = {"floor": "contract", "floor_seq": "seq", "floor_one_commit": "one_commit",
-                                       "floor_two_commits": "two_commits"}
+                                       "floor_two_commits": "two_commits", "floor_plpgsql": "plpgsql",
+                                       "floor_seq_flush": "seq_flush"}
 
-    def __init__(self, system: str, pool: FloorPool) -> None:
+    def __init__(self, system: str, pool: FloorPool, kind: str | None = None) -> None:
         self.system, self.slots, self.pool = system, pool.slots, pool
-        self.kind = self.KINDS[system]
-        self.db = "pglane" if self.kind == "contract" else "floor"
+        self.kind = kind or self.KINDS[system]
+        self.db = pool.contract_db if self.kind == "contract" else pool.bare_db
         self.procs = []  # the pool's, stopped by standing()
 
     @property
@@ -230,7 +232,7 @@ class FloorGroup(Group):
         return f"bench floor {self.pool.lane} %"
 
     def start(self, server: BenchServer, logs: Path) -> None:
-        pass
+        """The pool's processes are started (and stopped) by whoever made the pool."""
 
     def ready(self, server: BenchServer) -> None:
         self.pool.ready()
