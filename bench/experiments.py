@@ -7,7 +7,12 @@ pglane.schema.upgrade and then changed here (pglane's sql/ and migrations are ne
 - ``exp_as_is``: pglane's schema as it is;
 - ``exp_no_checks``: every CHECK constraint of pglane.jobs, pglane.attempts and pglane.lane_counters
   dropped, and those of the domains their columns use: what the CHECKs cost a claim per version
-  (performance.md: PostgreSQL 15 rebuilds each table's CHECK expressions on every statement).
+  (performance.md: PostgreSQL 15 rebuilds each table's CHECK expressions on every statement);
+- ``exp_seq_last``: pglane.claim_impl rewritten (from its installed text, see seq_last) so that the
+  lane's counters row is bumped as the claim's last write, in a CTE of the attempt's INSERT, and the
+  job's row no longer gets the seq (the attempt keeps it): the counters row lock, which serialises
+  a lane's claims until their commit, is then held over the attempt's insert and the commit only.
+  A schema change proposal (jobs.seq would have to go or be read from the latest attempt), measured.
 
 and the bare floor's database (bench_floor, bench.floors) for:
 
@@ -30,6 +35,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import statistics
 import time
@@ -48,11 +54,12 @@ from .stats import Sizes, median_interval, progress, progress_done, rotations, s
 from .throughput import FloorGroup, FloorPool, Group, floor_lane
 
 RESULTS = Path(__file__).resolve().parent / "results"
-VARIANTS = ("exp_as_is", "exp_no_checks")
+VARIANTS = ("exp_as_is", "exp_no_checks", "exp_seq_last")
 BARE = ("floor_one_commit", "floor_plpgsql", "floor_seq", "floor_seq_flush")
 # (name, numerator, denominator): numerator/denominator, within each repetition, at each slot count
 QUESTIONS = (
     ("CHECKs: contract without/with", "exp_no_checks", "exp_as_is"),
+    ("seq bumped last: contract seq_last/as is", "exp_seq_last", "exp_as_is"),
     ("plpgsql: plpgsql/bare", "floor_plpgsql", "floor_one_commit"),
     ("contract/bare one commit", "exp_as_is", "floor_one_commit"),
     ("seq: seq/bare", "floor_seq", "floor_one_commit"),
@@ -72,6 +79,30 @@ SELECT DISTINCT format('ALTER DOMAIN %s DROP CONSTRAINT %I', c.contypid::regtype
 """
 
 
+BUMP = re.compile(r"\n(\s*)UPDATE pglane\.lane_counters c\s+SET last_seq = c\.last_seq \+ 1,(?P<set>.*?)"
+                  r"\s+WHERE c\.lane_id = v_lane\.id\s+RETURNING c\.last_seq INTO r\.seq;", re.S)
+INSERT = re.compile(r"(?P<head>INSERT INTO pglane\.attempts AS a\s.*?SELECT .*?)(?P<from>\s+FROM pg_stat_get_activity"
+                    r"\(pg_backend_pid\(\)\) s)\s+RETURNING a\.id, a\.token INTO r\.attempt_id, r\.token;", re.S)
+
+
+def seq_last(definition: str) -> str | None:
+    """claim_impl's text with the counters bump moved into a CTE of the attempt's INSERT (the last
+    write) and the job's ``seq = r.seq`` dropped; None when the text is not of the expected shape
+    (claim.sql changed): the variant is then left out."""
+    bump = BUMP.search(definition)
+    if bump is None or ", seq = r.seq" not in definition:
+        return None
+    body = definition[:bump.start()] + definition[bump.end():]
+    insert = INSERT.search(body)
+    if insert is None or "r.seq" not in insert.group("head"):
+        return None
+    cte = (f"WITH bump AS (UPDATE pglane.lane_counters c SET last_seq = c.last_seq + 1,{bump.group('set')}"
+           " WHERE c.lane_id = v_lane.id RETURNING c.last_seq)\n    ")
+    new = (cte + insert.group("head").replace("r.seq", "bump.last_seq") + insert.group("from")
+           + ", bump RETURNING a.id, a.token, a.seq INTO r.attempt_id, r.token, r.seq;")
+    return (body[:insert.start()] + new + body[insert.end():]).replace(", seq = r.seq", "", 1)
+
+
 def setup(dsns: dict[str, str], slot_counts: Sequence[int]) -> dict[str, int]:
     """Every variant's schema and lanes; returns how many CHECKs each variant dropped."""
     dropped = {}
@@ -85,6 +116,12 @@ def setup(dsns: dict[str, str], slot_counts: Sequence[int]) -> dict[str, int]:
             for statement in statements:
                 conn.execute(sql.SQL(statement))  # names read from the catalog, quoted by format()
             dropped[variant] = len(statements)
+            if variant == "exp_seq_last":
+                row = conn.execute("SELECT pg_get_functiondef('pglane.claim_impl'::regproc)").fetchone()
+                rewritten = seq_last(str(row[0])) if row else None
+                if rewritten is None:
+                    raise RuntimeError("claim_impl is not of the shape seq_last rewrites: update bench.experiments")
+                conn.execute(sql.SQL(rewritten))  # pglane's own function text, rewritten above
     floors.setup(dsns["floor"])
     return dropped
 
