@@ -12,7 +12,10 @@ pglane.schema.upgrade and then changed here (pglane's sql/ and migrations are ne
   lane's counters row is bumped as the claim's last write, in a CTE of the attempt's INSERT, and the
   job's row no longer gets the seq (the attempt keeps it): the counters row lock, which serialises
   a lane's claims until their commit, is then held over the attempt's insert and the commit only.
-  A schema change proposal (jobs.seq would have to go or be read from the latest attempt), measured.
+  A schema change proposal (jobs.seq would have to go or be read from the latest attempt), measured;
+- ``exp_lock_first``: pglane.claim_impl with the counters row locked (FOR UPDATE) before the job is
+  looked up, as a strict lane's claim already does: a lane's claimers queue once, up front, and the
+  one that holds the lock never skips rows other claims have locked; the lock is held longer.
 
 and the bare floor's database (bench_floor, bench.floors) for:
 
@@ -54,12 +57,13 @@ from .stats import Sizes, median_interval, progress, progress_done, rotations, s
 from .throughput import FloorGroup, FloorPool, Group, floor_lane
 
 RESULTS = Path(__file__).resolve().parent / "results"
-VARIANTS = ("exp_as_is", "exp_no_checks", "exp_seq_last")
+VARIANTS = ("exp_as_is", "exp_no_checks", "exp_seq_last", "exp_lock_first")
 BARE = ("floor_one_commit", "floor_plpgsql", "floor_seq", "floor_seq_flush")
 # (name, numerator, denominator): numerator/denominator, within each repetition, at each slot count
 QUESTIONS = (
     ("CHECKs: contract without/with", "exp_no_checks", "exp_as_is"),
     ("seq bumped last: contract seq_last/as is", "exp_seq_last", "exp_as_is"),
+    ("counters locked first: contract lock_first/as is", "exp_lock_first", "exp_as_is"),
     ("plpgsql: plpgsql/bare", "floor_plpgsql", "floor_one_commit"),
     ("contract/bare one commit", "exp_as_is", "floor_one_commit"),
     ("seq: seq/bare", "floor_seq", "floor_one_commit"),
@@ -103,6 +107,20 @@ def seq_last(definition: str) -> str | None:
     return (body[:insert.start()] + new + body[insert.end():]).replace(", seq = r.seq", "", 1)
 
 
+LOOKUP = "\n        SELECT j.id INTO r.job_id"
+
+
+def lock_first(definition: str) -> str | None:
+    """claim_impl's text with the counters row locked just before the job lookup; None if not found."""
+    if definition.count(LOOKUP) != 1:
+        return None
+    lock = "\n        PERFORM 1 FROM pglane.lane_counters c WHERE c.lane_id = v_lane.id FOR UPDATE;"
+    return definition.replace(LOOKUP, lock + LOOKUP)
+
+
+REWRITES = {"exp_seq_last": seq_last, "exp_lock_first": lock_first}
+
+
 def setup(dsns: dict[str, str], slot_counts: Sequence[int]) -> dict[str, int]:
     """Every variant's schema and lanes; returns how many CHECKs each variant dropped."""
     dropped = {}
@@ -116,11 +134,11 @@ def setup(dsns: dict[str, str], slot_counts: Sequence[int]) -> dict[str, int]:
             for statement in statements:
                 conn.execute(sql.SQL(statement))  # names read from the catalog, quoted by format()
             dropped[variant] = len(statements)
-            if variant == "exp_seq_last":
+            if variant in REWRITES:
                 row = conn.execute("SELECT pg_get_functiondef('pglane.claim_impl'::regproc)").fetchone()
-                rewritten = seq_last(str(row[0])) if row else None
+                rewritten = REWRITES[variant](str(row[0])) if row else None
                 if rewritten is None:
-                    raise RuntimeError("claim_impl is not of the shape seq_last rewrites: update bench.experiments")
+                    raise RuntimeError(f"claim_impl is not of the shape {variant} rewrites: update bench.experiments")
                 conn.execute(sql.SQL(rewritten))  # pglane's own function text, rewritten above
     floors.setup(dsns["floor"])
     return dropped

@@ -47,6 +47,8 @@ def targets_for(slot_counts: list[int]) -> dict[str, tuple[str, str | None, floa
 WAKE_SPLIT = (("wake_p50 floor_listen_contract/floor_listen", "floor_listen_contract", "floor_listen", "wake_p50_ms"),
               ("wake_p50 pglane/floor_listen_contract", "pglane", "floor_listen_contract", "wake_p50_ms"),
               ("wake_p99 floor_listen_contract/floor_listen", "floor_listen_contract", "floor_listen", "wake_p99_ms"),
+              # pglane's SQL alone (no worker) against the better peer: what wake_p50 pglane/best_peer can reach
+              ("wake_p50 floor_listen_contract/best_peer", "floor_listen_contract", "best_peer", "wake_p50_ms"),
               ("wake_p99 pglane/floor_listen_contract", "pglane", "floor_listen_contract", "wake_p99_ms"))
 
 
@@ -149,7 +151,14 @@ def concurrency_ratios(block: dict[str, Any]) -> list[dict[str, Any]]:
 
 def wake_split(doc: dict[str, Any]) -> dict[str, float | None]:
     results = doc["results"]
-    return {name: _div(results.get(a, {}).get(key), results.get(b, {}).get(key)) for name, a, b, key in WAKE_SPLIT}
+
+    def value(name: str, key: str) -> float | None:
+        if name == "best_peer":
+            found = [v for v in (results.get(p, {}).get(key) for p in PEERS) if v is not None]
+            return min(found) if found else None
+        return results.get(name, {}).get(key)  # type: ignore[no-any-return]
+
+    return {name: _div(value(a, key), value(b, key)) for name, a, b, key in WAKE_SPLIT}
 
 
 def verdicts(values: dict[str, float | None], intervals: dict[str, Any] | None = None,
