@@ -20,6 +20,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -92,8 +93,13 @@ def measure(dsn: str | None, args: argparse.Namespace, sizes: Sizes, label: str)
     return result
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # so that every standing consumer and server is stopped on the way out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     if 1 not in args.slots:
         raise SystemExit("--slots must include 1: the single-consumer figures and the slot ratios start from it")
     targets = servers(args)
