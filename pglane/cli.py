@@ -169,6 +169,12 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="the whole promise in under a minute, on an embedded PostgreSQL")
     demo.add_argument("--data-dir", help="keep the embedded server's data here (default: a temp dir)")
+    srv = sub.add_parser("server", help="a local PostgreSQL for development that stays up, migrated (start "
+                         "prints the PGLANE_DSN to export: eval \"$(pglane server start)\")")
+    srv.add_argument("server_command", choices=("start", "stop", "status"))
+    srv.add_argument("--data-dir", help="its data (default: $XDG_DATA_HOME/pglane/server, else "
+                     "~/.local/share/pglane/server)")
+    srv.add_argument("--port", type=int, help="the TCP port on 127.0.0.1 (start only; default 54329)")
     for command in (*sub.choices.values(), *lane.choices.values()):  # --dsn after the command too; it wins
         command.add_argument("--dsn", default=argparse.SUPPRESS, help=dsn_help)
     return p
@@ -205,6 +211,10 @@ def _run(args: argparse.Namespace) -> int:
         from .demo import run_demo
 
         return run_demo(args.dsn, args.data_dir)
+    if args.command == "server":
+        from . import devserver
+
+        return devserver.main(args.server_command, args.data_dir, args.port)
     dsn = client.resolve_dsn(args.dsn)
     if args.command == "migrate":
         with client.connect(dsn):

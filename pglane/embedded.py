@@ -139,10 +139,12 @@ class EmbeddedServer:
     data_dir: pathlib.Path
     socket_dir: pathlib.Path
     fsync: bool = True
+    port: int = PORT  # names the socket file; with listen, the TCP port too
+    listen: str = ""  # listen_addresses: none (a Unix socket only) unless given, e.g. 127.0.0.1
 
     @property
     def dsn(self) -> str:
-        return f"host={self.socket_dir} port={PORT} user={USER} dbname=postgres"
+        return f"host={self.socket_dir} port={self.port} user={USER} dbname=postgres"
 
     @property
     def log_path(self) -> pathlib.Path:
@@ -151,7 +153,8 @@ class EmbeddedServer:
     def server_options(self) -> str:
         """The ``pg_ctl -o`` string: socket only, durability as configured, quiet enough logs."""
         settings = {
-            "listen_addresses": "",
+            "listen_addresses": self.listen,
+            "port": str(self.port),
             "unix_socket_directories": str(self.socket_dir),
             "fsync": "on" if self.fsync else "off",
             "full_page_writes": "on" if self.fsync else "off",
@@ -209,8 +212,12 @@ class EmbeddedServer:
         self.start()
 
 
-def _initdb(data_dir: pathlib.Path, *, no_sync: bool) -> None:
+def initdb(data_dir: pathlib.Path, *, no_sync: bool, password_file: pathlib.Path | None = None) -> None:
+    """initdb; with ``password_file``, the superuser gets that password and TCP connections must give
+    it (scram-sha-256), while the Unix socket (in a directory only its owner reaches) stays trusted."""
     initdb = pgbin.find_bindir() / f"initdb{pgbin.EXE}"
+    auth = ["--auth=trust"] if password_file is None else [
+        "--auth-local=trust", "--auth-host=scram-sha-256", f"--pwfile={password_file}"]
     cmd = [
         *pgbin.root_prefix(),
         str(initdb),
@@ -218,7 +225,7 @@ def _initdb(data_dir: pathlib.Path, *, no_sync: bool) -> None:
         str(data_dir),
         "-U",
         USER,
-        "--auth=trust",
+        *auth,
         "-E",
         "UTF8",
         "--locale=C",
@@ -277,7 +284,7 @@ def embedded_server(data_dir: pathlib.Path | None = None, *, fsync: bool = True)
             if data_dir is None:
                 temp_root = _short_tempdir("pglane-")
                 server = EmbeddedServer(temp_root / "data", temp_root, fsync)
-                _initdb(server.data_dir, no_sync=True)
+                initdb(server.data_dir, no_sync=True)
                 server.start()
             else:
                 data_dir = data_dir.absolute()
@@ -293,7 +300,7 @@ def embedded_server(data_dir: pathlib.Path | None = None, *, fsync: bool = True)
                     server = EmbeddedServer(data_dir, socket_dir, fsync)
                     if not (data_dir / "PG_VERSION").exists():
                         data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-                        _initdb(data_dir, no_sync=not fsync)
+                        initdb(data_dir, no_sync=not fsync)
                     server.start()
             yield server
         finally:
