@@ -19,10 +19,12 @@ from .client import (
     release_lease,
     result,
     retry,
+    set_lane,
     wait,
 )
 from .errors import (
     ConfigurationError,
+    CostOverRate,
     DatabaseUnavailable,
     IdempotencyConflict,
     InsufficientPrivilege,
@@ -53,6 +55,7 @@ from .worker import Worker, WorkerOptions
 
 __all__ = [
     "ConfigurationError",
+    "CostOverRate",
     "DatabaseUnavailable",
     "IdempotencyConflict",
     "InsufficientPrivilege",
@@ -93,6 +96,7 @@ __all__ = [
     "release_lease",
     "result",
     "retry",
+    "set_lane",
     "upgrade",
     "wait",
 ]

@@ -89,12 +89,21 @@ async def create_lane(
     retry_backoff: float = 2.0,
     max_result_bytes: int = 16 * 1024 * 1024,
     takeover: str = "immediate",
+    rate: str | None = None,
 ) -> int:
     """See pglane.create_lane."""
     return await run(conn, statements.create_lane(
         name, slots=slots, job_timeout=job_timeout, lease_timeout=lease_timeout, max_attempts=max_attempts,
         max_queued=max_queued, waiting_grace=waiting_grace, max_payload_bytes=max_payload_bytes,
-        retry_backoff=retry_backoff, max_result_bytes=max_result_bytes, takeover=takeover))
+        retry_backoff=retry_backoff, max_result_bytes=max_result_bytes, takeover=takeover, rate=rate))
+
+
+async def set_lane(conn: AsyncTarget, name: str, **settings: Any) -> str:
+    """Change a lane while its workers run (pglane lane set): slots, job_timeout, lease_timeout (seconds),
+    max_attempts, max_queued (None: unbounded), rate ('10/s'; None: unlimited), takeover, waiting_grace,
+    retry_backoff, max_payload_bytes, max_result_bytes. Validated as create_lane is; nothing changes
+    when any is refused. Returns what changed, and what it means for running workers."""
+    return await run(conn, statements.set_lane(name, settings))
 
 
 async def lanes(conn: AsyncTarget) -> list[Row]:
@@ -103,10 +112,10 @@ async def lanes(conn: AsyncTarget) -> list[Row]:
 
 @overload
 async def enqueue(conn: AsyncTarget, lane: str, payload: Any = ..., *, key: str | None = ...,
-                  run_after: datetime | None = ..., if_full: Literal["error"] = ...) -> int: ...
+                  run_after: datetime | None = ..., if_full: Literal["error"] = ..., cost: int = ...) -> int: ...
 @overload
 async def enqueue(conn: AsyncTarget, lane: str, payload: Any = ..., *, key: str | None = ...,
-                  run_after: datetime | None = ..., if_full: Literal["skip"]) -> int | None: ...
+                  run_after: datetime | None = ..., if_full: Literal["skip"], cost: int = ...) -> int | None: ...
 async def enqueue(
     conn: AsyncTarget,
     lane: str,
@@ -115,9 +124,11 @@ async def enqueue(
     key: str | None = None,
     run_after: datetime | None = None,
     if_full: Literal["error", "skip"] = "error",
+    cost: int = 1,
 ) -> int | None:
     """See pglane.enqueue."""
-    return await run(conn, statements.enqueue(lane, payload, key=key, run_after=run_after, if_full=if_full))
+    return await run(conn, statements.enqueue(lane, payload, key=key, run_after=run_after, if_full=if_full,
+                                                 cost=cost))
 
 
 async def lane_status(conn: AsyncTarget) -> list[Row]:

@@ -42,6 +42,19 @@ def _json(value: Any) -> str:
     return json.dumps(value, default=str, indent=2)
 
 
+RATE_HELP = ("at most N starts (or N units of --cost) in any window of PERIOD, cluster-wide: 5/s, 60/min, "
+             "1000/h, 100/10min")
+
+
+def _count_or_none(text: str) -> int | None:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a whole number nor none") from None
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -88,11 +101,25 @@ def _parser() -> argparse.ArgumentParser:
                         "lease ends, so no two calls ever overlap (default: immediate)")
     create.add_argument("--max-result-bytes", type=int, default=16 * 1024 * 1024,
                         help="a handler's result larger than this fails its attempt (default 16 MiB)")
+    create.add_argument("--rate", help=RATE_HELP)
+    change = lane.add_parser("set", help="change a lane while its workers run (each setting from its next use)")
+    change.add_argument("name")
+    change.add_argument("--slots", type=int)
+    change.add_argument("--job-timeout", type=_seconds)
+    change.add_argument("--lease-timeout", type=_seconds)
+    change.add_argument("--max-attempts", type=int)
+    change.add_argument("--max-queued", type=_count_or_none, default=argparse.SUPPRESS,
+                        help="N, or none for an unbounded lane")
+    change.add_argument("--rate", help=RATE_HELP + "; none removes it")
+    change.add_argument("--takeover", choices=("immediate", "after-lease"))
+    change.add_argument("--max-result-bytes", type=int)
 
     enq = sub.add_parser("enqueue", help="add a job; prints its id")
     enq.add_argument("lane")
     enq.add_argument("payload", type=_payload, help="a JSON object or array")
     enq.add_argument("--key", help="idempotency key: the same key returns the same job")
+    enq.add_argument("--cost", type=int, default=1,
+                     help="what the job's start counts against its lane's rate limit (default 1)")
     enq.add_argument("--if-full", choices=("error", "skip"), default="error",
                      help="on a full bounded lane: an error (default), or skip: exit 3, nothing written, "
                      "no ERROR in the server's log")
@@ -262,16 +289,18 @@ def _worker(dsn: str, args: argparse.Namespace) -> int:
 
 def _command(conn: Any, args: argparse.Namespace) -> int:
     cmd = args.command
-    if cmd == "lane":
+    if cmd == "lane" and args.lane_command == "set":
+        print(client.set_lane(conn, args.name, **_lane_changes(args)))
+    elif cmd == "lane":
         lane_id = client.create_lane(conn, args.name, slots=args.slots, job_timeout=args.job_timeout,
                                      lease_timeout=args.lease_timeout, max_attempts=args.max_attempts,
                                      max_queued=args.max_queued, max_result_bytes=args.max_result_bytes,
-                                     takeover=args.takeover.replace("-", "_"))
+                                     takeover=args.takeover.replace("-", "_"), rate=args.rate)
         print(f"lane {args.name} created (id {lane_id})")
     elif cmd == "enqueue":
         if args.timeout is not None and not args.wait:
             raise ConfigurationError("--timeout is how long --wait waits: add --wait, or drop --timeout")
-        job = client.enqueue(conn, args.lane, args.payload, key=args.key, if_full=args.if_full)
+        job = client.enqueue(conn, args.lane, args.payload, key=args.key, if_full=args.if_full, cost=args.cost)
         if job is None:
             print(f"pglane: lane {args.lane} is full: nothing was enqueued; try again later", file=sys.stderr)
             return EXIT_FULL
@@ -364,6 +393,22 @@ def _recover(conn: Any, args: argparse.Namespace) -> int:
               f"{row['worker']}, pid {row['backend_pid']}) is past its lease and its worker is still connected;"
               f" end it with: pglane recover {row['lane']} --terminate-stuck", file=sys.stderr)
     return 0
+
+
+def _lane_changes(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings `lane set` was given (a given 'none' is kept: it removes max_queued or the rate)."""
+    changes = {name: getattr(args, name) for name in ("slots", "job_timeout", "lease_timeout", "max_attempts",
+                                                      "max_result_bytes")
+               if getattr(args, name) is not None}
+    if args.takeover is not None:
+        changes["takeover"] = args.takeover.replace("-", "_")
+    if args.rate is not None:
+        changes["rate"] = None if args.rate.strip().lower() == "none" else args.rate
+    if hasattr(args, "max_queued"):  # absent unless given; given none, it is None
+        changes["max_queued"] = args.max_queued
+    if not changes:
+        raise ConfigurationError("lane set: give at least one setting to change, e.g. --rate 60/min or --slots 3")
+    return changes
 
 
 def _check(conn: Any, args: argparse.Namespace) -> int:

@@ -136,12 +136,21 @@ def create_lane(
     retry_backoff: float = 2.0,
     max_result_bytes: int = 16 * 1024 * 1024,
     takeover: str = "immediate",
+    rate: str | None = None,
 ) -> int:
     """Create a lane and return its id. With no lease_timeout, it is 10 % longer than job_timeout."""
     return run(conn, statements.create_lane(
         name, slots=slots, job_timeout=job_timeout, lease_timeout=lease_timeout, max_attempts=max_attempts,
         max_queued=max_queued, waiting_grace=waiting_grace, max_payload_bytes=max_payload_bytes,
-        retry_backoff=retry_backoff, max_result_bytes=max_result_bytes, takeover=takeover))
+        retry_backoff=retry_backoff, max_result_bytes=max_result_bytes, takeover=takeover, rate=rate))
+
+
+def set_lane(conn: Target, name: str, **settings: Any) -> str:
+    """Change a lane while its workers run (pglane lane set): slots, job_timeout, lease_timeout (seconds),
+    max_attempts, max_queued (None: unbounded), rate ('10/s'; None: unlimited), takeover, waiting_grace,
+    retry_backoff, max_payload_bytes, max_result_bytes. Validated as create_lane is; nothing changes
+    when any is refused. Returns what changed, and what it means for running workers."""
+    return run(conn, statements.set_lane(name, settings))
 
 
 def lanes(conn: Target) -> list[Row]:
@@ -150,10 +159,10 @@ def lanes(conn: Target) -> list[Row]:
 
 @overload
 def enqueue(conn: Target, lane: str, payload: Any = ..., *, key: str | None = ...,
-            run_after: datetime | None = ..., if_full: Literal["error"] = ...) -> int: ...
+            run_after: datetime | None = ..., if_full: Literal["error"] = ..., cost: int = ...) -> int: ...
 @overload
 def enqueue(conn: Target, lane: str, payload: Any = ..., *, key: str | None = ...,
-            run_after: datetime | None = ..., if_full: Literal["skip"]) -> int | None: ...
+            run_after: datetime | None = ..., if_full: Literal["skip"], cost: int = ...) -> int | None: ...
 def enqueue(
     conn: Target,
     lane: str,
@@ -162,12 +171,15 @@ def enqueue(
     key: str | None = None,
     run_after: datetime | None = None,
     if_full: Literal["error", "skip"] = "error",
+    cost: int = 1,
 ) -> int | None:
     """Add a job and return its id; the same key returns the existing job (see pglane.enqueue). A
     payload is a JSON object or array; given none, it is ``{}``; ``None`` is refused like any scalar.
     On a full bounded lane: LaneFull (``if_full="error"``), or None with nothing written and no error
-    in the server's log (``if_full="skip"``: for producers that retry anyway)."""
-    return run(conn, statements.enqueue(lane, payload, key=key, run_after=run_after, if_full=if_full))
+    in the server's log (``if_full="skip"``: for producers that retry anyway). ``cost`` (at least 1)
+    is what the job's start counts against its lane's rate limit; more than the rate allows is refused."""
+    return run(conn, statements.enqueue(lane, payload, key=key, run_after=run_after, if_full=if_full,
+                                                 cost=cost))
 
 
 def lane_status(conn: Target) -> list[Row]:

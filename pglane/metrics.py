@@ -38,6 +38,8 @@ class Metrics:
         self.queue_depth = gauge("pglane_queue_depth", "queued jobs of the lane (eligible or not)")
         self.oldest_queued = gauge("pglane_oldest_queued_age_seconds", "age of the lane's oldest queued job")
         self.running = gauge("pglane_running_jobs", "running jobs of the lane, all workers")
+        self.rate_window = gauge("pglane_rate_window_used", "cost the lane started in its rate window now "
+                                 "(its rate limit is the most it may reach); 0 on a lane without one")
         self.done = prom.Counter("pglane_jobs_done", "results this worker stored", labels,
                                  registry=self.registry).labels(lane)
         self.failed = prom.Counter("pglane_jobs_failed", "attempts this worker recorded failed or timed out", labels,
@@ -66,6 +68,7 @@ class Metrics:
                         self.queue_depth.set(row[0])
                         self.oldest_queued.set(row[1])
                         self.running.set(row[2])
+                        self.rate_window.set(row[3] or 0)
                 except psycopg.Error:
                     if conn is not None:
                         await conn.close()

@@ -5,7 +5,7 @@ No statement is built from user input: lane names, payloads and keys are always 
 
 from typing import LiteralString
 
-ENQUEUE: LiteralString = "SELECT pglane.enqueue(%s, %s::jsonb, %s, %s, %s)"
+ENQUEUE: LiteralString = "SELECT pglane.enqueue(%s, %s::jsonb, %s, %s, %s, %s)"
 CLAIM: LiteralString = "SELECT * FROM pglane.claim(%s, %s)"
 CLAIM_OR_WAIT: LiteralString = "SELECT * FROM pglane.claim_or_wait(%s, %s)"  # the worker's: always a row
 # An outcome carries the attempt's token (claim() returned it): any session holding it may write.
@@ -33,11 +33,14 @@ LANES: LiteralString = (  # every lane, or the one named %(name)s
     " takeover"
     " FROM pglane.lanes WHERE %(name)s::text IS NULL OR name = %(name)s ORDER BY name"
 )
+# Change a running lane: settings as a JSON object (a key given null removes max_queued or rate).
+SET_LANE: LiteralString = "SELECT pglane.set_lane(%s, %s::jsonb) AS note"
 CREATE_LANE: LiteralString = (
     "INSERT INTO pglane.lanes (name, slots, job_timeout, lease_timeout, max_attempts, max_queued,"
-    " waiting_grace, max_payload_bytes, retry_backoff, max_result_bytes, takeover)"
-    " VALUES (%s, %s, make_interval(secs => %s), make_interval(secs => %s), %s, %s,"
-    " make_interval(secs => %s), %s, make_interval(secs => %s), %s, %s) RETURNING id"
+    " waiting_grace, max_payload_bytes, retry_backoff, max_result_bytes, takeover, rate_limit, rate_period)"
+    " SELECT %s, %s, make_interval(secs => %s), make_interval(secs => %s), %s, %s,"
+    " make_interval(secs => %s), %s, make_interval(secs => %s), %s, %s, r.rate_limit, r.rate_period"
+    " FROM pglane.parse_rate(coalesce(%s, 'none')) r RETURNING id"
 )
 
 TRY_SLOT: LiteralString = "SELECT pg_try_advisory_lock(%s, %s)"
@@ -68,7 +71,8 @@ JOB_RESULT: LiteralString = "SELECT result FROM pglane.job_status WHERE job_id =
 QUEUE_GAUGES: LiteralString = (
     "SELECT count(*) AS queued, coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest,"
     " (SELECT count(*) FROM pglane.attempts a JOIN pglane.jobs r ON r.id = a.job_id"
-    "   WHERE a.status = 'running' AND r.lane = %(lane)s) AS running"
+    "   WHERE a.status = 'running' AND r.lane = %(lane)s) AS running,"
+    " pglane.rate_window_use(%(lane)s) AS rate_window_used"
     " FROM pglane.jobs WHERE lane = %(lane)s AND in_queue"
 )
 

@@ -101,6 +101,7 @@ class LockSession:
         self._fuse = Fuse(conn.fileno())
         self._fuse.start()
         self._unanswered = False  # a liveness question whose answer is still to be read (see _ping)
+        self.news = False  # a NOTIFY with a payload came (the lane's settings changed); the worker clears it
 
     def execute(self, query: LiteralString | sql.Composed, params: Any = None,
                 within: float | None = None) -> dict[str, Any] | None:
@@ -186,9 +187,14 @@ class LockSession:
         self.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
 
     def _drain_notifies(self) -> bool:
-        """Consume the notifications received so far; True if there was one. Raises
-        OperationalError when the connection is gone (that is how a dead session is noticed)."""
-        return sum(1 for _ in self.conn.notifies(timeout=0)) > 0
+        """Consume the notifications received so far; True if there was one, and `news` set if one
+        carried a payload (the lane's settings changed). Raises OperationalError when the connection
+        is gone (that is how a dead session is noticed)."""
+        got = False
+        for notify in self.conn.notifies(timeout=0):
+            got = True
+            self.news = self.news or bool(notify.payload)
+        return got
 
     def forget_wakes(self) -> None:
         """Consume the NOTIFY that wait_for_wake() returned on, once a claim has run since and found
@@ -234,6 +240,20 @@ class LockSession:
         if self._drain_notifies():  # received during an earlier statement
             return True
         return await self._readable(timeout)
+
+    async def wait_for_news(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a NOTIFY that carries news (a payload: the lane's settings
+        changed), reading and dropping the plain ones (a job arrived): a slot waiting for its rate
+        limit's opening cannot start sooner for a new job, and must not claim for every one. True if
+        news came; False on timeout or interrupt()."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._drain_notifies()
+            if self.news:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0 or not await self._readable(left):
+                return False
 
     async def watch(self) -> None:
         """Consume notifications until the connection fails or goes silent; raises OperationalError

@@ -83,14 +83,20 @@ def payload_json(payload: Any) -> str:
 
 def create_lane(name: str, *, slots: int, job_timeout: float, lease_timeout: float | None, max_attempts: int,
                 max_queued: int | None, waiting_grace: float, max_payload_bytes: int, retry_backoff: float,
-                max_result_bytes: int, takeover: str) -> Plan[int]:
+                max_result_bytes: int, takeover: str, rate: str | None = None) -> Plan[int]:
     lease = timing.default_lease_timeout(job_timeout) if lease_timeout is None else lease_timeout
     for label, value in (("job_timeout", job_timeout), ("lease_timeout", lease)):
         if not math.isfinite(value):
             raise ConfigurationError(f"{label} must be a finite number of seconds")
     row = yield Query(queries.CREATE_LANE, (name, slots, job_timeout, lease, max_attempts, max_queued, waiting_grace,
-                                            max_payload_bytes, retry_backoff, max_result_bytes, takeover))
+                                            max_payload_bytes, retry_backoff, max_result_bytes, takeover, rate))
     return int(row["id"])
+
+
+def set_lane(name: str, settings: dict[str, Any]) -> Plan[str]:
+    """Change lane ``name``'s settings (pglane.set_lane): what changed, and what it means for running workers."""
+    row = yield Query(queries.SET_LANE, (name, json.dumps(settings)))
+    return str(row["note"])
 
 
 def lanes() -> Plan[list[Row]]:
@@ -98,9 +104,9 @@ def lanes() -> Plan[list[Row]]:
 
 
 def enqueue(lane: str, payload: Any, *, key: str | None, run_after: datetime | None,
-            if_full: Literal["error", "skip"]) -> Plan[int | None]:
+            if_full: Literal["error", "skip"], cost: int = 1) -> Plan[int | None]:
     text = "{}" if payload is _EMPTY else payload_json(payload)
-    row = yield Query(queries.ENQUEUE, (lane, text, key, run_after, if_full))
+    row = yield Query(queries.ENQUEUE, (lane, text, key, run_after, if_full, cost))
     return None if row["enqueue"] is None else int(row["enqueue"])
 
 

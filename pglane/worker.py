@@ -117,13 +117,17 @@ class Worker:
         self._stopping = asyncio.Event()
         self._pending: tuple[Claim, Outcome] | None = None  # an outcome not yet written; see module doc
         self._empty_claimed = 0.0  # when a claim last found nothing (time.monotonic())
-        self._claim_allowed: float | None = None  # after an empty claim on a strict lane: when a lease ends
+        # After an empty claim that said when this slot may start a job (a strict lane's lease, or a rate
+        # limit's opening): when, and whether it was the rate (then only a lane's news cuts the wait short).
+        self._claim_allowed: float | None = None
+        self._rate_limited = False
         self._sent = 0.0  # when the last claiming statement was sent (time.monotonic())
         self._started = 0.0  # time.monotonic(), as every timer of the worker
         self._next_recover = 0.0
         self._last_try = False  # the current session began after a stop request: if it fails, give up
         self._metrics: Metrics | None = None
         self._idle_session: LockSession | None = None  # the session waiting idle, for stop() to interrupt
+        self._lane: Lane  # the lane's settings as last read (each session's start, and after its news)
 
     # ----- life cycle -----------------------------------------------------------------------
 
@@ -194,10 +198,34 @@ class Worker:
                                       "--dsn / PGLANE_DSN") from None
         with conn:
             row = conn.execute(queries.LANES, {"name": self.lane_name}).fetchone()
+        return self._lane_from(row)
+
+    def _lane_from(self, row: Any) -> Lane:
         if row is None:
             raise UnknownLane(f"unknown lane {self.lane_name!r}; create it with: pglane lane create {self.lane_name}")
+        if isinstance(row, dict):
+            row = tuple(row.values())
         lane_id, name, slots, job_timeout, lease_timeout, _, _, max_result_bytes, takeover = row
         return Lane(lane_id, name, slots, job_timeout, lease_timeout, max_result_bytes, takeover)
+
+    def _reload_lane(self, session: LockSession, lane: Lane) -> Lane:
+        """The lane's settings as they are now (pglane lane set changes them while workers run): read at
+        each session's start and after the lane's news, before the next claim. Slots apply to this
+        session's next claim (one above the lane's slots is refused, and the worker takes a slot again),
+        the timeouts to the next call."""
+        session.news = False
+        new = self._lane_from(session.execute(queries.LANES, {"name": self.lane_name}))
+        if new != lane:
+            hard = self.options.timeout or timing.default_worker_timeout(new.job_timeout, new.lease_timeout)
+            broken = timing.Timeouts(job=new.job_timeout, lease=new.lease_timeout, worker=hard).violations()
+            for problem in broken:
+                log.error("lane %s's new settings break a timing rule: %s", new.name, problem)
+            self._caller.job_timeout, self._caller.hard_timeout = new.job_timeout, hard
+            self._caller.max_result_bytes = new.max_result_bytes
+            session.slots = new.slots
+            log.info("lane %s settings now: %s slot(s), job timeout %gs, hard timeout %gs, lease %gs",
+                     new.name, new.slots, new.job_timeout, hard, new.lease_timeout)
+        return new
 
     # ----- sessions, one after another: connecting, with the backoff -------------------------
 
@@ -251,6 +279,7 @@ class Worker:
         try:
             if self._pending is not None:
                 self._write(session, *self._pending)
+            lane = self._lane = self._reload_lane(session, lane)
             if self._done() or not await self._take_slot(session, lane):
                 return
             if self._metrics is not None:
@@ -278,6 +307,8 @@ class Worker:
         """Holding the slot, until done: run the job held, else wait and claim (module doc)."""
         claim = self._claim(session)
         while claim is not None or not self._done():
+            if session.news:  # pglane lane set changed the lane: its settings apply from here
+                self._lane = self._reload_lane(session, self._lane)
             if claim is not None:
                 outcome = await self._call(session, claim)
                 self.jobs_run += 1
@@ -313,14 +344,17 @@ class Worker:
         """Wait for a NOTIFY, the poll interval, the next recovery, the end of life, or a stop."""
         now = time.monotonic()
         timeout = min(self.options.poll_interval, max(0.0, self._next_recover - now))
-        if self._claim_allowed is not None:  # a strict lane's claim said when a lease it waits for ends
+        if self._claim_allowed is not None:  # the last claim said when this slot may start a job
             timeout = min(timeout, max(0.0, self._claim_allowed - now))
         if self.options.max_lifetime is not None:
             timeout = min(timeout, max(0.0, self._started + self.options.max_lifetime - now))
         if not self._stopping.is_set():
             self._idle_session = session
             try:
-                await session.wait_for_wake(timeout)
+                if self._rate_limited:  # a new job changes nothing before the opening: sleep through
+                    await session.wait_for_news(timeout)
+                else:
+                    await session.wait_for_wake(timeout)
             finally:
                 self._idle_session = None
 
@@ -341,14 +375,21 @@ class Worker:
 
     def _taken(self, row: dict[str, Any] | None) -> Claim | None:
         """The claim a claiming statement's row holds, stamped with when that statement was sent (the
-        call's deadlines count from then). None for an empty claim, whose time is kept, and with it
-        when a strict lane allows the next one (wait_seconds: a lease it waits for)."""
+        call's deadlines count from then). None for an empty claim, whose time is kept. Either way,
+        when this slot may start its next job, if the row says (wait_seconds: a strict lane's lease, or
+        a rate limit's opening for this slot: wait_reason 'rate')."""
         claim = Claim.from_row(row, self._sent)
+        now = time.monotonic()
         if claim is None:
-            self._empty_claimed = time.monotonic()
-            wait = (row or {}).get("wait_seconds")
-            self._claim_allowed = None if wait is None else self._empty_claimed + wait
+            self._empty_claimed = now
+        wait = (row or {}).get("wait_seconds")
+        self._claim_allowed = None if wait is None else now + wait
+        self._rate_limited = wait is not None and (row or {}).get("wait_reason") == "rate"
         return claim
+
+    def _rate_turn_ahead(self) -> bool:
+        """The lane's rate limit said this slot's next start must wait: store the outcome alone."""
+        return self._rate_limited and self._claim_allowed is not None and time.monotonic() < self._claim_allowed
 
     def _claim_round_trip(self, session: LockSession, query: LiteralString,
                           params: tuple[Any, ...]) -> dict[str, Any] | None:
@@ -367,8 +408,9 @@ class Worker:
 
     def _write_and_claim(self, session: LockSession, claim: Claim, outcome: Outcome) -> Claim | None:
         """Write the outcome and claim the next job: one round trip for a result (the fast path). Only
-        written, nothing claimed, when the worker is done or a recovery is due (it runs first)."""
-        if self._done() or self._recovery_due():
+        written, nothing claimed, when the worker is done, a recovery is due (it runs first), or the
+        lane's rate limit said this slot's next start must wait."""
+        if self._done() or self._recovery_due() or self._rate_turn_ahead():
             self._write(session, claim, outcome)
             return None
         if outcome.result_json is None:

@@ -8,7 +8,8 @@
 -- complete_and_claim(). `completed` is set by complete_and_claim() only (whether the result it
 -- delivered was accepted); a plain claim leaves it NULL. With no eligible job, every other column is NULL
 -- but wait_seconds and wait_reason: how long until a strict lane's lease ('lease') or a rate-limited
--- lane's window ('rate') lets this slot start a job.
+-- lane's window ('rate') lets this slot start a job. A rate-limited lane's claim that took a job sets
+-- them too when this slot's next start must wait.
 -- (A type, so alembic owns it: see revision 0007.)
 
 -- claim_impl, complete_impl: the bodies of claim() and complete(), shared with complete_and_claim()
@@ -141,6 +142,15 @@ BEGIN
     RETURNING c.last_seq INTO r.seq;
     IF v_cost IS NOT NULL THEN
         INSERT INTO pglane.lane_starts (lane_id, seq, started_at, cost) VALUES (v_lane.id, r.seq, v_at, v_cost);
+        -- Already told: when this slot's next turn comes, if a start like this one would not fit
+        -- before then; the worker then stores this job's outcome without claiming again too soon.
+        IF v_window + 2 * v_cost > v_lane.rate_limit THEN
+            r.wait_reason := 'rate';
+            r.wait_seconds := greatest(0, extract(epoch FROM pglane.rate_wait(
+                v_lane.id, v_lane.rate_limit, v_lane.rate_period, v_window + v_cost, v_cost,
+                (((v_slot - 1 - r.seq) % v_lane.slots + v_lane.slots) % v_lane.slots)::integer, v_at)
+                - clock_timestamp()));
+        END IF;
     END IF;
 
     UPDATE pglane.jobs j

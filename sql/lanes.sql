@@ -213,18 +213,28 @@ AS $$
                     (SELECT max(live.started_at) FROM live), p_now) + p_period;
 $$;
 
+-- rate_window_use: the cost lane p_lane started in the window ending now; NULL if it has no rate limit.
+-- Definer: workers (their metrics) and producers read it without reading lane_starts.
+CREATE OR REPLACE FUNCTION pglane.rate_window_use(p_lane text) RETURNS bigint
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT (SELECT coalesce(sum(s.cost), 0) FROM pglane.lane_starts s
+             WHERE s.lane_id = l.id AND s.started_at > now() - l.rate_period)
+      FROM pglane.lanes l WHERE l.name = p_lane AND l.rate_limit IS NOT NULL;
+$$;
+
 -- rate_next_start: when lane p_lane may start a job of cost 1 again; NULL if it may now, or is not
 -- limited. For the operator's views: the claim decides with the exact cost and under the lock.
 CREATE OR REPLACE FUNCTION pglane.rate_next_start(p_lane text) RETURNS timestamptz
-LANGUAGE sql STABLE
+LANGUAGE sql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
     SELECT CASE WHEN u.used + 1 > l.rate_limit
                 THEN pglane.rate_wait(l.id, l.rate_limit, l.rate_period, u.used, 1, 0, now())
            END
       FROM pglane.lanes l
-      CROSS JOIN LATERAL (SELECT coalesce(sum(s.cost), 0) AS used FROM pglane.lane_starts s
-                           WHERE s.lane_id = l.id AND s.started_at > now() - l.rate_period) u
+      CROSS JOIN LATERAL (SELECT pglane.rate_window_use(l.name) AS used) u
      WHERE l.name = p_lane AND l.rate_limit IS NOT NULL;
 $$;
 
@@ -301,14 +311,7 @@ BEGIN
                 HINT = 'choose a rate of at least that many per period, or cancel the costly jobs first';
         END IF;
     END IF;
-    UPDATE pglane.lanes l
-       SET slots = v_new.slots, job_timeout = v_new.job_timeout, lease_timeout = v_new.lease_timeout,
-           max_attempts = v_new.max_attempts, max_queued = v_new.max_queued, rate_limit = v_new.rate_limit,
-           rate_period = v_new.rate_period, takeover = v_new.takeover, waiting_grace = v_new.waiting_grace,
-           retry_backoff = v_new.retry_backoff, max_payload_bytes = v_new.max_payload_bytes,
-           max_result_bytes = v_new.max_result_bytes
-     WHERE l.id = v_old.id;
-    IF v_new.slots < v_old.slots THEN
+    IF v_new.slots < v_old.slots THEN  -- read before the change: slot_holders shows slots up to the lane's
         SELECT string_agg(format('slot %s (pid %s)', h.slot, h.pid), ', ' ORDER BY h.slot) INTO v_over
           FROM pglane.slot_holders h WHERE h.lane_id = v_old.id AND h.slot > v_new.slots AND h.granted;
         IF v_over IS NOT NULL THEN
@@ -317,6 +320,13 @@ BEGIN
                              v_over, v_new.slots, v_new.slots);
         END IF;
     END IF;
+    UPDATE pglane.lanes l
+       SET slots = v_new.slots, job_timeout = v_new.job_timeout, lease_timeout = v_new.lease_timeout,
+           max_attempts = v_new.max_attempts, max_queued = v_new.max_queued, rate_limit = v_new.rate_limit,
+           rate_period = v_new.rate_period, takeover = v_new.takeover, waiting_grace = v_new.waiting_grace,
+           retry_backoff = v_new.retry_backoff, max_payload_bytes = v_new.max_payload_bytes,
+           max_result_bytes = v_new.max_result_bytes
+     WHERE l.id = v_old.id;
     -- Wake the lane's workers: one sleeping until a rate allows a start may start sooner now.
     PERFORM pg_notify('pglane_' || v_old.id, 'settings');
     RETURN format('lane %s changed: %s%s', p_lane, coalesce(

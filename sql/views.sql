@@ -79,7 +79,9 @@ WITH counts AS (
            coalesce(an.orphaned, 0) AS orphaned, coalesce(an.stuck, 0) AS stuck,
            l.max_queued, l.waiting_grace, l.job_timeout, l.lease_timeout, l.max_attempts,
            coalesce(h.holders, '[]') AS holders, coalesce(h.squatters, 0) AS squatters, h.squatter_action,
-           l.takeover, f.in_flight, f.lost_attempt, f.lease_ends
+           l.takeover, f.in_flight, f.lost_attempt, f.lease_ends,
+           pglane.rate_text(l.rate_limit, l.rate_period) AS rate, pglane.rate_window_use(l.name) AS rate_window_used,
+           pglane.rate_next_start(l.name) AS rate_next_start_at
       FROM pglane.lanes l
       LEFT JOIN counts c ON c.lane = l.name
       LEFT JOIN attempts_now an ON an.lane = l.name
@@ -102,6 +104,9 @@ SELECT b.lane, b.slots, b.consumers, b.queued, b.running, b.done, b.failed, b.ca
                pglane.lease_wait_note(b.lane, b.lost_attempt, b.lease_ends)
            WHEN b.consumers = 0 AND b.queued > 0 THEN
                format('start a worker for lane %s: pglane worker %s --handler MODULE:CALLABLE', b.lane, b.lane)
+           WHEN b.rate_next_start_at IS NOT NULL AND b.eligible > 0 THEN
+               format('nothing to do: rate limited (%s, %s used in the current window): next start at %s',
+                      b.rate, b.rate_window_used, b.rate_next_start_at)
            WHEN b.eligible > 0 AND b.oldest_eligible_age > b.waiting_grace AND b.arrived_5m > b.finished_5m THEN
                format('backlog of lane %s is growing (%s queued, %s arrived and %s finished in 5 min): '
                       'add slots and workers, or expect the oldest to wait longer', b.lane, b.queued,
@@ -111,7 +116,8 @@ SELECT b.lane, b.slots, b.consumers, b.queued, b.running, b.done, b.failed, b.ca
            ELSE 'nothing to do'
        END AS next_safe_action,
        b.holders, b.squatters, b.takeover, b.in_flight,
-       CASE WHEN b.takeover = 'after_lease' AND b.in_flight >= b.slots THEN b.lease_ends END AS waits_until
+       CASE WHEN b.takeover = 'after_lease' AND b.in_flight >= b.slots THEN b.lease_ends END AS waits_until,
+       b.rate, b.rate_window_used, b.rate_next_start_at
   FROM base b;
 
 -- queue_position counts the lane's queued jobs through the queue index (q.in_queue), so it costs
@@ -120,7 +126,9 @@ SELECT b.lane, b.slots, b.consumers, b.queued, b.running, b.done, b.failed, b.ca
 -- own conditions run only on the rows it may see, so no function of theirs reads another's row.
 CREATE OR REPLACE VIEW pglane.job_status WITH (security_barrier) AS
 SELECT j.id AS job_id, j.lane, j.status, j.created_at, j.run_after, j.started_at, j.finished_at,
-       (j.status = 'queued' AND greatest(j.created_at, j.run_after) < now() - l.waiting_grace) AS waiting_for_worker,
+       (j.status = 'queued' AND greatest(j.created_at, j.run_after) < now() - l.waiting_grace
+        AND NOT (l.rate_limit IS NOT NULL AND j.run_after <= now() AND pglane.rate_next_start(j.lane) IS NOT NULL))
+           AS waiting_for_worker,
        CASE WHEN j.status = 'queued' THEN
            (SELECT count(*) FROM pglane.jobs q
              WHERE q.lane = j.lane AND q.in_queue
@@ -137,6 +145,9 @@ SELECT j.id AS job_id, j.lane, j.status, j.created_at, j.run_after, j.started_at
                WHEN l.takeover = 'after_lease' AND (SELECT f.in_flight >= l.slots AND f.lost_attempt IS NOT NULL
                                                       FROM pglane.in_flight(j.lane) f) THEN
                    (SELECT pglane.lease_wait_note(j.lane, f.lost_attempt, f.lease_ends) FROM pglane.in_flight(j.lane) f)
+               WHEN l.rate_limit IS NOT NULL AND pglane.rate_next_start(j.lane) IS NOT NULL THEN
+                   format('nothing to do: rate limited: lane %s (%s) makes its next start at %s', j.lane,
+                          pglane.rate_text(l.rate_limit, l.rate_period), pglane.rate_next_start(j.lane))
                WHEN greatest(j.created_at, j.run_after) >= now() - l.waiting_grace THEN 'nothing to do: just queued'
                WHEN pglane.lane_consumers(l.id, l.slots) = 0 THEN
                    format('start a worker for lane %s: pglane worker %s --handler MODULE:CALLABLE', j.lane, j.lane)

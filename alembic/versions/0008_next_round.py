@@ -51,14 +51,16 @@ RATE_BEFORE = """
 RATE_AFTER = f"""
     GRANT EXECUTE ON FUNCTION pglane.enqueue(text, jsonb, text, timestamptz, text, integer) TO pglane_producer;
     GRANT EXECUTE ON FUNCTION pglane.set_lane(text, jsonb) TO pglane_operator;
-    GRANT EXECUTE ON FUNCTION pglane.parse_rate(text), pglane.rate_text(integer, interval) TO {ROLES};
+    GRANT EXECUTE ON FUNCTION pglane.parse_rate(text), pglane.rate_text(integer, interval),
+                              pglane.rate_window_use(text), pglane.rate_next_start(text) TO {ROLES};
     GRANT SELECT ON pglane.lane_starts TO pglane_operator;
 """
 RATE_UNDO_BEFORE = """
-    DROP VIEW pglane.lane_status;
+    DROP VIEW pglane.lane_status, pglane.job_status;
     DROP FUNCTION pglane.enqueue(text, jsonb, text, timestamptz, text, integer), pglane.set_lane(text, jsonb),
                   pglane.parse_rate(text), pglane.rate_text(integer, interval), pglane.rate_wait(integer, integer,
-                  interval, bigint, integer, integer, timestamptz), pglane.rate_next_start(text);
+                  interval, bigint, integer, integer, timestamptz), pglane.rate_next_start(text),
+                  pglane.rate_window_use(text);
     ALTER TYPE pglane.claimed DROP ATTRIBUTE wait_reason;
     DROP TABLE pglane.lane_starts;
     ALTER TABLE pglane.lane_counters DROP COLUMN window_cost;
@@ -67,7 +69,8 @@ RATE_UNDO_BEFORE = """
 """
 RATE_UNDO_AFTER = """
     GRANT EXECUTE ON FUNCTION pglane.enqueue(text, jsonb, text, timestamptz, text) TO pglane_producer;
-    GRANT SELECT ON pglane.lane_status TO pglane_operator;
+    GRANT SELECT ON pglane.lane_status, pglane.job_status TO pglane_operator;
+    GRANT SELECT ON pglane.job_status TO pglane_producer;
 """
 
 # --- waiting for a job's result (#20) ----------------------------------------------------------------
