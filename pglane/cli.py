@@ -14,7 +14,7 @@ from typing import Any
 
 import psycopg
 
-from . import client, schema, timing
+from . import client, replication, schema, timing
 from .errors import ConfigurationError, PglaneError, WaitTimeout, first_line, translate
 from .job import JOB_STATUSES
 
@@ -431,4 +431,7 @@ def _check(conn: Any, args: argparse.Namespace) -> int:
             print(f"lane {lane['name']}: R3 not checked: give --stop-grace S, your process manager's stop grace "
                   f"period (systemd TimeoutStopSec, Kubernetes terminationGracePeriodSeconds); it must be at "
                   f"least {worker:g}s, the worker timeout, or a deploy can cut a call off")
+    for finding in replication.findings(conn):  # a standby promoted without acknowledged claims pays twice
+        broken += finding.risk
+        print(f"replication: {'RISK: ' if finding.risk else ''}{finding.text}")
     return 1 if broken else 0

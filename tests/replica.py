@@ -155,17 +155,18 @@ class Pair:
         return (f"host=127.0.0.1,127.0.0.1 port={self.primary.port},{self.standby.port} user={USER} "
                 f"dbname={DBNAME} target_session_attrs=read-write")
 
-    def wait_synchronous(self) -> None:
-        """Until the primary reports the standby streaming as its synchronous standby."""
+    def wait_streaming(self, sync_state: str = "sync") -> None:
+        """Until the primary reports the standby streaming with this sync_state ("sync": its synchronous
+        standby; "async" when the pair was made asynchronous)."""
         deadline = time.monotonic() + TIMEOUT
         with psycopg.connect(self.primary.dsn, autocommit=True) as c:
             while True:
                 row = c.execute("SELECT state, sync_state FROM pg_stat_replication WHERE application_name = %s",
                                 (STANDBY_NAME,)).fetchone()
-                if row == ("streaming", "sync"):
+                if row == ("streaming", sync_state):
                     return
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"the standby is not a synchronous standby of the primary: {row}")
+                    raise RuntimeError(f"the standby does not stream as {sync_state}: {row}")
                 time.sleep(0.05)
 
     def kill_primary(self) -> int:
@@ -187,12 +188,14 @@ class Pair:
 
 
 @contextlib.contextmanager
-def synchronous_pair(template: Path, directory: Path) -> Iterator[Pair]:
+def synchronous_pair(template: Path, directory: Path, *, synchronous: bool = True) -> Iterator[Pair]:
     """A primary copied from ``template`` and a standby made from it by ``pg_basebackup -R``, the
-    standby synchronous; both stopped (and any process of a killed primary ended) at exit."""
+    standby synchronous (asynchronous if ``synchronous`` is false: the risk pglane check names); both
+    stopped (and any process of a killed primary ended) at exit."""
     directory.mkdir(parents=True, exist_ok=True)
+    names = f'"{STANDBY_NAME}"' if synchronous else ""
     primary = Node("primary", directory / "primary", free_port(),
-                   {"synchronous_standby_names": f'"{STANDBY_NAME}"', "synchronous_commit": "on"})
+                   {"synchronous_standby_names": names, "synchronous_commit": "on"})
     shutil.copytree(template, primary.data_dir, symlinks=True)
     (primary.data_dir / "postmaster.pid").unlink(missing_ok=True)
     standby = Node("standby", directory / "standby", free_port())
@@ -203,7 +206,7 @@ def synchronous_pair(template: Path, directory: Path) -> Iterator[Pair]:
         _run("pg_basebackup", "-D", str(standby.data_dir), "-R", "-X", "stream", "-c", "fast", "--no-sync",
              "-d", f"{primary.dsn} application_name={STANDBY_NAME}", timeout=120)
         standby.start()
-        pair.wait_synchronous()
+        pair.wait_streaming("sync" if synchronous else "async")
         yield pair
     finally:
         pair.close()
