@@ -58,7 +58,9 @@ def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[WebServer
 
 @pytest.fixture
 def page(browser: Browser) -> Iterator[Page]:
-    """A fresh browser tab; the test fails if the page broke its own Content-Security-Policy or its script."""
+    """A fresh browser tab; the test fails if the page broke its own Content-Security-Policy or its script.
+    Tests ask for ``server`` before ``page``, so the tab closes before the server stops (a refresh of a
+    stopped server is no fault of the page's)."""
     context = browser.new_context(viewport=VIEWPORT)  # type: ignore[arg-type]
     tab = context.new_page()
     problems: list[str] = []
@@ -110,7 +112,7 @@ def section(tab: Page, lane: str) -> Any:
 
 
 def test_the_lanes_page_shows_what_each_lane_does_and_its_last_hour(
-    page: Page, server: WebServer, conn: Any, lane: str, session: Callable[..., Any], workers: Workers
+    server: WebServer, page: Page, conn: Any, lane: str, session: Callable[..., Any], workers: Workers
 ) -> None:
     seed_history(conn, session(), lane)
     pglane.create_lane(conn, "email", slots=2, job_timeout=60)
@@ -139,7 +141,7 @@ def test_the_lanes_page_shows_what_each_lane_does_and_its_last_hour(
 
 
 def test_a_failed_job_says_which_attempt_failed_why_and_what_to_do(
-    page: Page, server: WebServer, conn: Any, lane: str, workers: Workers
+    server: WebServer, page: Page, conn: Any, lane: str, workers: Workers
 ) -> None:
     job = failed_by_a_worker(conn, workers, lane)
     attempt = pglane.job_status(conn, job)["attempt_id"]
@@ -157,7 +159,7 @@ def test_a_failed_job_says_which_attempt_failed_why_and_what_to_do(
 
 
 def test_a_retry_runs_end_to_end_with_the_token_and_is_refused_without_it(
-    page: Page, server: WebServer, conn: Any, lane: str, workers: Workers, ledger: Ledger
+    server: WebServer, page: Page, conn: Any, lane: str, workers: Workers, ledger: Ledger
 ) -> None:
     job = failed_by_a_worker(conn, workers, lane)
     assert ledger.calls().count(job) == 1
@@ -183,7 +185,7 @@ def test_a_retry_runs_end_to_end_with_the_token_and_is_refused_without_it(
     expect(page.locator("table.attempts tbody tr.status-failed")).to_have_count(2)
 
 
-def test_the_page_refreshes_in_place(page: Page, server: WebServer, conn: Any, lane: str) -> None:
+def test_the_page_refreshes_in_place(server: WebServer, page: Page, conn: Any, lane: str) -> None:
     page.goto(server.url + "/")
     queued = section(page, lane).locator("a[href$='status=queued']")
     expect(queued).to_have_text("0")
