@@ -152,6 +152,21 @@ def test_a_refused_claim_writes_nothing_and_says_when_the_next_start_is(
     assert job is not None and job["waiting_for_worker"] is False  # held by the rate, not by a missing worker
 
 
+def test_the_window_starts_when_the_rate_is_set(conn: Conn, lane: str, session: Any) -> None:
+    enqueue_many(conn, lane, [1] * 5)
+    worker = session()
+    take_slot(worker, lane)
+    for _ in range(2):  # two starts while the lane has no limit
+        row = worker.execute("SELECT * FROM pglane.claim_or_wait(%s, 'w')", (lane,)).fetchone()
+        assert row is not None and row["job_id"] is not None
+    set_lane(conn, lane, rate="2/h")
+    status = conn.execute("SELECT rate_window_used FROM pglane.lane_status WHERE lane = %s", (lane,)).fetchone()
+    assert status is not None and status["rate_window_used"] == 0
+    taken = [worker.execute("SELECT * FROM pglane.claim_or_wait(%s, 'w')", (lane,)).fetchone() for _ in range(3)]
+    assert [t is not None and t["job_id"] is not None for t in taken] == [True, True, False]  # 2 in the window
+    assert taken[2] is not None and taken[2]["wait_reason"] == "rate"  # a job is left: the rate holds it
+
+
 def test_each_slot_is_told_its_own_opening(conn: Conn, lane: str, session: Any) -> None:
     set_lane(conn, lane, slots=3, rate="3/min")
     enqueue_many(conn, lane, [1] * 6)
