@@ -375,6 +375,15 @@ def write(samples: list[dict[str, Any]], summary: dict[str, Any], out: Path) -> 
     plot(samples, summary, out / "soak.svg")
 
 
+def source() -> dict[str, Any]:
+    """The commit measured, and the files of pglane, sql and alembic changed from it (uncommitted work)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=procs.ROOT, capture_output=True, text=True).stdout.rstrip()
+
+    return {"commit": git("rev-parse", "--short", "HEAD"),
+            "uncommitted": git("status", "--porcelain", "--", "pglane", "sql", "alembic").splitlines()}
+
+
 def run(dsn: str | None, *, jobs: int, producers: int, out: Path, interval: float = 3.0, backlog: int = 1000
         ) -> dict[str, Any]:
     """The soak on ``dsn``'s database (None: an embedded server's bench_pglane); writes ``out``, returns the summary."""
@@ -389,7 +398,7 @@ def run(dsn: str | None, *, jobs: int, producers: int, out: Path, interval: floa
                                    backlog=backlog)
     summary = {"settings": {"jobs": jobs, "producers": producers, "interval": interval, "backlog": backlog,
                             "server": "dsn" if dsn else "embedded", "postgres_settings": info["settings"],
-                            "cpus": info["cpus"]},
+                            "cpus": info["cpus"], "source": source()},
                "postgres": info["version"].split(" on ")[0], "elapsed_s": round(time.monotonic() - started, 1),
                "jobs_done": samples[-1]["jobs_done"], "samples": len(samples), "verdicts": judged}
     write(samples, summary, out)
