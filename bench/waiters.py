@@ -41,7 +41,7 @@ WAITERS = 100
 
 
 @contextlib.contextmanager
-def _database() -> Iterator[str]:
+def database() -> Iterator[str]:
     dsn = os.environ.get("PGLANE_DSN")
     if dsn:
         yield dsn
@@ -52,7 +52,7 @@ def _database() -> Iterator[str]:
         yield embedded
 
 
-def _insert(conn: psycopg.Connection[Any], lane: str, n: int) -> list[int]:
+def insert_jobs(conn: psycopg.Connection[Any], lane: str, n: int) -> list[int]:
     rows = conn.execute("INSERT INTO pglane.jobs (lane, payload) SELECT %s, jsonb_build_object('n', g)"
                         " FROM generate_series(1, %s) g RETURNING id", (lane, n)).fetchall()
     return [int(r["id"]) for r in rows]
@@ -79,14 +79,14 @@ def _start_waiters(pool: ConnectionPool[Any], ids: list[int], results: list[Any]
 def run_case(dsn: str, conn: psycopg.Connection[Any], case: str, name: str, n: int) -> float:
     """Drain n jobs of a fresh lane with one worker; jobs per second on the database clock."""
     pglane.create_lane(conn, name, job_timeout=60)
-    ids = _insert(conn, name, n)
+    ids = insert_jobs(conn, name, n)
     results: list[Any] = []
     threads: list[threading.Thread] = []
     with ConnectionPool(dsn, min_size=1, max_size=4, open=True, timeout=120) as pool:
         if case != "none":
             if case == "others":
                 pglane.create_lane(conn, f"{name}_idle", job_timeout=60)
-                targets = _insert(conn, f"{name}_idle", WAITERS)
+                targets = insert_jobs(conn, f"{name}_idle", WAITERS)
             else:
                 targets = ids[:: max(1, n // WAITERS)][:WAITERS]
             threads = _start_waiters(pool, targets, results)
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2000, help="jobs per run (default 2000)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of the three cases (default 5)")
     args = parser.parse_args(argv)
-    with _database() as dsn:
+    with database() as dsn:
         schema.upgrade(dsn)
         figures: dict[str, list[float]] = {case: [] for case in CASES}
         ratios: dict[str, list[float]] = {case: [] for case in CASES}

@@ -16,6 +16,22 @@
 -- so that the worker's fast path switches its search_path once per job, not three times. They run
 -- only inside those SECURITY DEFINER functions: EXECUTE on them is granted to nobody. claim_impl
 -- returns one row, all NULL when nothing is eligible (cheaper to call than a set-returning function).
+-- rate_refusal: a rate-limited claim that found no room: no job, and when this slot's turn comes. The
+-- slot waits for the start numbered like itself (seq counts starts), so that the lane's idle workers
+-- wake at successive openings, not all at the first.
+CREATE OR REPLACE FUNCTION pglane.rate_refusal(r pglane.claimed, p_lane pglane.lanes, p_window bigint,
+                                              p_cost integer, p_slot integer, p_last_seq bigint, p_at timestamptz)
+RETURNS pglane.claimed LANGUAGE plpgsql AS $$
+BEGIN
+    r.job_id := NULL;
+    r.wait_reason := 'rate';
+    r.wait_seconds := greatest(0, extract(epoch FROM pglane.rate_wait(
+        p_lane.id, p_lane.rate_limit, p_lane.rate_period, p_window, p_cost,
+        (((p_slot - 1 - p_last_seq) % p_lane.slots + p_lane.slots) % p_lane.slots)::integer, p_at)
+        - clock_timestamp()));
+    RETURN r;
+END $$;
+
 CREATE OR REPLACE FUNCTION pglane.claim_impl(p_lane text, p_worker text) RETURNS pglane.claimed
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -83,45 +99,57 @@ BEGIN
     -- the counters row lock, which every claim of the lane takes, on the database clock read after
     -- it). Looked at first without the lock: what that sees can only be less than the committed use
     -- (starts it misses only add to it), so a refusal there is right, and writes nothing, not even
-    -- a row lock. With no room, nothing is claimed; wait_seconds says when this slot's turn comes.
+    -- a row lock. The look is one statement; the window's expired starts are summed only when the
+    -- counter alone leaves no room (window_cost includes them: it can only overstate the use).
+    -- With no room, nothing is claimed; wait_seconds says when this slot's turn comes.
     IF v_lane.rate_limit IS NOT NULL THEN
-        SELECT j.cost INTO v_cost FROM pglane.jobs j
-         WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now() ORDER BY j.created_at, j.id LIMIT 1;
+        SELECT h.cost, c.last_seq, c.window_cost INTO v_cost, v_last_seq, v_window
+          FROM pglane.lane_counters c
+          JOIN LATERAL (SELECT j.cost FROM pglane.jobs j
+                         WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()
+                         ORDER BY j.created_at, j.id LIMIT 1) h ON true
+         WHERE c.lane_id = v_lane.id;
         IF NOT FOUND THEN
             RETURN r;
         END IF;
-        FOR locked IN 0 .. 1 LOOP
-            IF locked = 1 THEN
-                PERFORM 1 FROM pglane.lane_counters c WHERE c.lane_id = v_lane.id FOR UPDATE;
-            END IF;
-            SELECT c.last_seq, c.window_cost INTO v_last_seq, v_window FROM pglane.lane_counters c
-             WHERE c.lane_id = v_lane.id;
-            v_at := clock_timestamp();
+        v_at := clock_timestamp();
+        IF v_window + v_cost > v_lane.rate_limit THEN
             v_window := v_window - coalesce((SELECT sum(s.cost) FROM pglane.lane_starts s
                                               WHERE s.lane_id = v_lane.id AND s.started_at <= v_at - v_lane.rate_period), 0);
-            IF locked = 1 THEN  -- the job itself, and its cost (the head may have changed meanwhile)
-                SELECT j.id, j.cost INTO r.job_id, v_cost FROM pglane.jobs j
-                 WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()
-                 ORDER BY j.created_at, j.id LIMIT 1 FOR UPDATE SKIP LOCKED;
-                IF NOT FOUND THEN
-                    RETURN r;
-                END IF;
-            END IF;
             IF v_window + v_cost > v_lane.rate_limit THEN
-                -- This slot's turn: the start numbered like its slot (seq counts starts), so that the
-                -- lane's idle workers wake at successive openings, not all at the first.
-                r.job_id := NULL;
-                r.wait_reason := 'rate';
-                r.wait_seconds := greatest(0, extract(epoch FROM pglane.rate_wait(
-                    v_lane.id, v_lane.rate_limit, v_lane.rate_period, v_window, v_cost,
-                    (((v_slot - 1 - v_last_seq) % v_lane.slots + v_lane.slots) % v_lane.slots)::integer, v_at)
-                    - clock_timestamp()));
+                RETURN pglane.rate_refusal(r, v_lane, v_window, v_cost, v_slot, v_last_seq, v_at);
+            END IF;
+        END IF;
+        -- Under the lock: the job itself and its cost (the head may have changed since the look), and
+        -- the window at v_at. Its expired starts are deleted (and taken off the counter in the UPDATE
+        -- below, or right here if the start is refused after all) when the counter alone would leave
+        -- no room for this start and one more like it, and at every 32nd start: one DELETE for many,
+        -- and the table stays as small as the window plus 32 starts. Until then the counter
+        -- overstates the use, never understates it; whenever the answer depends on it, it is exact.
+        SELECT c.last_seq, c.window_cost, h.id, h.cost INTO v_last_seq, v_window, r.job_id, v_cost
+          FROM pglane.lane_counters c
+          LEFT JOIN LATERAL (SELECT j.id, j.cost FROM pglane.jobs j
+                              WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()
+                              ORDER BY j.created_at, j.id LIMIT 1 FOR UPDATE SKIP LOCKED) h ON true
+         WHERE c.lane_id = v_lane.id
+           FOR UPDATE OF c;
+        v_at := clock_timestamp();  -- read once the lock is ours: no start can commit before it now
+        IF v_window + 2 * coalesce(v_cost, 0) > v_lane.rate_limit OR v_last_seq % 32 = 31 THEN
+            WITH gone AS (DELETE FROM pglane.lane_starts s
+                           WHERE s.lane_id = v_lane.id AND s.started_at <= v_at - v_lane.rate_period RETURNING s.cost)
+            SELECT coalesce(sum(gone.cost), 0) INTO v_expired FROM gone;
+            v_window := v_window - v_expired;
+        END IF;
+        IF r.job_id IS NULL OR v_window + v_cost > v_lane.rate_limit THEN
+            IF v_expired > 0 THEN  -- the deleted starts leave the counter too (the lock is ours anyway)
+                UPDATE pglane.lane_counters c SET window_cost = c.window_cost - v_expired WHERE c.lane_id = v_lane.id;
+            END IF;
+            IF r.job_id IS NULL THEN
                 RETURN r;
             END IF;
-        END LOOP;
-        WITH gone AS (DELETE FROM pglane.lane_starts s
-                       WHERE s.lane_id = v_lane.id AND s.started_at <= v_at - v_lane.rate_period RETURNING s.cost)
-        SELECT coalesce(sum(gone.cost), 0) INTO v_expired FROM gone;
+            r.job_id := NULL;
+            RETURN pglane.rate_refusal(r, v_lane, v_window, v_cost, v_slot, v_last_seq, v_at);
+        END IF;
     ELSE
         SELECT j.id INTO r.job_id
           FROM pglane.jobs j
@@ -134,14 +162,25 @@ BEGIN
         END IF;
     END IF;
 
-    UPDATE pglane.lane_counters c
-       SET last_seq = c.last_seq + 1,
-           left_queue = c.left_queue + (v_lane.max_queued IS NOT NULL)::integer,
-           window_cost = c.window_cost - v_expired + coalesce(v_cost, 0)
-     WHERE c.lane_id = v_lane.id
-    RETURNING c.last_seq INTO r.seq;
-    IF v_cost IS NOT NULL THEN
-        INSERT INTO pglane.lane_starts (lane_id, seq, started_at, cost) VALUES (v_lane.id, r.seq, v_at, v_cost);
+    IF v_cost IS NULL THEN
+        UPDATE pglane.lane_counters c
+           SET last_seq = c.last_seq + 1,
+               left_queue = c.left_queue + (v_lane.max_queued IS NOT NULL)::integer
+         WHERE c.lane_id = v_lane.id
+        RETURNING c.last_seq INTO r.seq;
+    ELSE  -- the start is recorded in the same statement: one round through the executor, not two
+        WITH bumped AS (
+            UPDATE pglane.lane_counters c
+               SET last_seq = c.last_seq + 1,
+                   left_queue = c.left_queue + (v_lane.max_queued IS NOT NULL)::integer,
+                   window_cost = c.window_cost - v_expired + v_cost
+             WHERE c.lane_id = v_lane.id
+            RETURNING c.last_seq
+        ), started AS (
+            INSERT INTO pglane.lane_starts (lane_id, seq, started_at, cost)
+            SELECT v_lane.id, bumped.last_seq, v_at, v_cost FROM bumped
+        )
+        SELECT bumped.last_seq INTO r.seq FROM bumped;
         -- Already told: when this slot's next turn comes, if a start like this one would not fit
         -- before then; the worker then stores this job's outcome without claiming again too soon.
         IF v_window + 2 * v_cost > v_lane.rate_limit THEN

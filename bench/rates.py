@@ -1,0 +1,185 @@
+"""What a rate limit costs, and how close a limited lane gets to its limit (#21):
+`python -m bench.rates [--jobs N] [--rounds R] [--claims M] [--seconds S]`.
+
+Three measurements, each on the same server, interleaved so that machine noise hits each case alike:
+
+- ``throughput``: one real `pglane worker` (bench.handlers:noop) drains N queued jobs of a fresh lane,
+  unlimited against ``--rate 1000000/min`` (generous: never refuses, but every claim records its start
+  and drops the starts that left the window, as a limited lane always does). Jobs per second on the
+  database clock, first start to last finish; the limited/unlimited ratio per round, its median and a
+  bootstrap interval. Issue #21's bound: at least 0.90 (the limit costs at most 10 %).
+- ``claim``: one session holding a slot claims and completes M jobs, alternating between the two lanes
+  claim by claim; the claim's own latency (p50, p99) and the p50 ratio with a paired bootstrap interval.
+- ``achieved``: three worker processes on a three-slot lane limited to R/s with a full queue for S
+  seconds; the starts per second over the whole windows after the first start, against the limit
+  (bound: at least 0.95), the busiest window (never above the limit) and the claims per start (from
+  the workers' metrics is not available here: from pg_stat_user_functions, the calls of the claim).
+
+It starts its own embedded PostgreSQL (fsync on) unless PGLANE_DSN is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+import pglane
+from pglane import queries, schema
+
+from .pglane_runs import claim_and_complete, lane_id, load_queued
+from .stats import latency_ms, median_interval, ratio_interval, verdict
+from .waiters import ROOT, database, insert_jobs
+
+GENEROUS = "1000000/min"
+LIMIT_PER_S = 30  # the achieved-rate case: 30 starts in any second, three slots
+
+
+def _worker(dsn: str, lane: str, *args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "pglane", "worker", lane, "--handler", "bench.handlers:noop",
+                             *args], env={**os.environ, "PGLANE_DSN": dsn}, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def drain(dsn: str, conn: psycopg.Connection[Any], lane: str, n: int) -> float:
+    """One worker drains the lane's n jobs: jobs per second, first start to last finish."""
+    proc = _worker(dsn, lane, "--max-jobs", str(n))
+    try:
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 0:
+        raise SystemExit(f"the worker on {lane} exited {proc.returncode}: {err.decode(errors='replace')[-2000:]}")
+    row = conn.execute("SELECT count(*) FILTER (WHERE status = 'done') AS done,"
+                       " extract(epoch FROM max(finished_at) - min(started_at))::float8 AS seconds"
+                       " FROM pglane.jobs WHERE lane = %s", (lane,)).fetchone()
+    assert row is not None
+    if row["done"] != n:
+        raise SystemExit(f"{lane}: {row['done']} of {n} jobs done")
+    return float(n / row["seconds"])
+
+
+def throughput(dsn: str, conn: psycopg.Connection[Any], jobs: int, rounds: int) -> dict[str, Any]:
+    figures: dict[str, list[float]] = {"unlimited": [], "generous": []}
+    for r in range(rounds):
+        for case in (("unlimited", "generous") if r % 2 == 0 else ("generous", "unlimited")):
+            lane = f"tp{r}_{case}"
+            pglane.create_lane(conn, lane, job_timeout=60, rate=GENEROUS if case == "generous" else None)
+            insert_jobs(conn, lane, jobs)
+            figures[case].append(drain(dsn, conn, lane, jobs))
+        print(f"throughput round {r + 1}: unlimited {figures['unlimited'][-1]:,.0f} jobs/s, "
+              f"{GENEROUS} {figures['generous'][-1]:,.0f} jobs/s", flush=True)
+    ratios = [g / u for g, u in zip(figures["generous"], figures["unlimited"], strict=True)]
+    interval = median_interval(ratios)
+    return {"jobs": jobs, "jobs_per_s": figures, "ratio": statistics.median(ratios), "interval_90": interval,
+            "verdict": verdict(interval, statistics.median(ratios), ">=", 0.90)}
+
+
+def claim_latency(dsn: str, conn: psycopg.Connection[Any], claims: int) -> dict[str, Any]:
+    lanes = {"unlimited": "cl_unlimited", "generous": "cl_generous"}
+    for case, lane in lanes.items():
+        pglane.create_lane(conn, lane, job_timeout=60, rate=GENEROUS if case == "generous" else None)
+        load_queued(conn, lane, claims)
+    times: dict[str, list[float]] = {"unlimited": [], "generous": []}
+    with psycopg.connect(dsn, autocommit=True, row_factory=psycopg.rows.dict_row) as session:
+        for lane in lanes.values():
+            session.execute(queries.WAIT_SLOT, (lane_id(session, lane), 1))
+        for i in range(claims):
+            for case in (("unlimited", "generous") if i % 2 == 0 else ("generous", "unlimited")):
+                times[case].append(claim_and_complete(session, lanes[case]))
+    interval = ratio_interval(times["generous"], times["unlimited"], 50)
+    ratio = statistics.median(times["generous"]) / statistics.median(times["unlimited"])
+    return {"claims": claims, "unlimited": latency_ms(times["unlimited"]), "generous": latency_ms(times["generous"]),
+            "p50_ratio": ratio, "interval_90": interval, "verdict": verdict(interval, ratio, "<=", 1.10)}
+
+
+def busiest(starts: Sequence[float], period: float) -> int:
+    """The most starts in any half-open window (t - period, t]."""
+    most, lo = 0, 0
+    for hi, at in enumerate(starts):
+        while starts[lo] <= at - period:
+            lo += 1
+        most = max(most, hi - lo + 1)
+    return most
+
+
+def achieved(dsn: str, conn: psycopg.Connection[Any], seconds: int) -> dict[str, Any]:
+    lane = "achieved"
+    pglane.create_lane(conn, lane, slots=3, job_timeout=60, rate=f"{LIMIT_PER_S}/s")
+    insert_jobs(conn, lane, LIMIT_PER_S * (seconds + 3))  # more than the run can start: the queue stays full
+    conn.execute("SELECT pg_stat_reset()")
+    procs = [_worker(dsn, lane, "--poll-interval", "30") for _ in range(3)]
+    try:
+        deadline = time.monotonic() + 60
+        while conn.execute("SELECT count(*) AS n FROM pglane.attempts a JOIN pglane.jobs j ON j.id = a.job_id"
+                           " WHERE j.lane = %s", (lane,)).fetchone()["n"] == 0:  # type: ignore[index]
+            if time.monotonic() > deadline:
+                raise SystemExit("achieved: no start within 60 s")
+            time.sleep(0.05)
+        time.sleep(seconds + 1.5)  # the measured span: whole windows after the first start, and a margin
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(60)
+    rows = conn.execute("SELECT extract(epoch FROM a.started_at)::float8 AS t FROM pglane.attempts a"
+                        " JOIN pglane.jobs j ON j.id = a.job_id WHERE j.lane = %s ORDER BY a.started_at",
+                        (lane,)).fetchall()
+    starts = [float(r["t"]) for r in rows]
+    first = starts[0]
+    within = [t for t in starts if t - first < seconds]  # seconds whole windows from the first start
+    calls = conn.execute("SELECT coalesce(sum(calls), 0) AS n FROM pg_stat_user_functions"
+                         " WHERE schemaname = 'pglane' AND funcname = 'claim_impl'").fetchone()
+    rate = len(within) / seconds
+    return {"limit_per_s": LIMIT_PER_S, "slots": 3, "seconds": seconds, "starts": len(within),
+            "achieved_per_s": rate, "ratio": rate / LIMIT_PER_S,
+            "verdict": verdict(None, rate / LIMIT_PER_S, ">=", 0.95),
+            "busiest_window": busiest(starts, 1.0), "claim_calls": int(calls["n"]) if calls else None,
+            "claims_per_start": (int(calls["n"]) / len(starts)) if calls and starts else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.rates", description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=3000, help="jobs per drain (default 3000)")
+    parser.add_argument("--rounds", type=int, default=5, help="drains of each case (default 5)")
+    parser.add_argument("--claims", type=int, default=3000, help="claims of each case (default 3000)")
+    parser.add_argument("--seconds", type=int, default=20, help="the achieved-rate run (default 20)")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args(argv)
+    with database() as dsn:
+        schema.upgrade(dsn)
+        with pglane.connect(dsn) as conn:
+            conn.execute("ALTER SYSTEM SET track_functions = 'pl'")
+            conn.execute("SELECT pg_reload_conf()")
+            found = {"throughput": throughput(dsn, conn, args.jobs, args.rounds),
+                     "claim": claim_latency(dsn, conn, args.claims),
+                     "achieved": achieved(dsn, conn, args.seconds)}
+    tp, cl, ach = found["throughput"], found["claim"], found["achieved"]
+    print(f"\nthroughput, one worker, {tp['jobs']} jobs x {args.rounds} rounds: unlimited "
+          f"{statistics.median(tp['jobs_per_s']['unlimited']):,.0f} jobs/s, {GENEROUS} "
+          f"{statistics.median(tp['jobs_per_s']['generous']):,.0f} jobs/s; ratio {tp['ratio']:.3f} "
+          f"[{tp['interval_90'][0]:.3f}-{tp['interval_90'][1]:.3f}] >= 0.90: {tp['verdict']}")
+    print(f"claim latency p50: unlimited {cl['unlimited']['p50_ms']:.3f} ms, generous {cl['generous']['p50_ms']:.3f} ms"
+          f" (p99 {cl['unlimited']['p99_ms']:.3f} / {cl['generous']['p99_ms']:.3f}); ratio {cl['p50_ratio']:.3f} "
+          f"[{cl['interval_90'][0]:.3f}-{cl['interval_90'][1]:.3f}] <= 1.10: {cl['verdict']}")
+    print(f"achieved: {ach['starts']} starts in {ach['seconds']} s on {LIMIT_PER_S}/s with 3 slots = "
+          f"{ach['achieved_per_s']:.2f}/s, {ach['ratio']:.3f} of the limit (>= 0.95: {ach['verdict']}); busiest "
+          f"window {ach['busiest_window']} (limit {LIMIT_PER_S}); claims per start {ach['claims_per_start']}")
+    if args.json:
+        args.json.write_text(json.dumps(found, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
