@@ -140,7 +140,7 @@ async def job_status(conn: AsyncTarget, job_id: int) -> Row:
 
 
 async def jobs(conn: AsyncTarget, *, lane: str | None = None, status: str | None = None,
-               limit: int = 50) -> list[Row]:
+               limit: int | None = 50) -> list[Row]:
     return await run(conn, statements.jobs(lane=lane, status=status, limit=limit))
 
 

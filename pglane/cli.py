@@ -8,7 +8,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -40,6 +40,18 @@ def _table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
 
 def _json(value: Any) -> str:
     return json.dumps(value, default=str, indent=2)
+
+
+def _json_stream(rows: Iterable[dict[str, Any]]) -> None:
+    """print(_json(list(rows))), written one row at a time: the same text, without the list."""
+    out = sys.stdout
+    first = True
+    for row in rows:
+        out.write("[\n  " if first else ",\n  ")
+        out.write(_json(row).replace("\n", "\n  "))
+        first = False
+    out.write("[]\n" if first else "\n]\n")
+    out.flush()
 
 
 RATE_HELP = ("at most N starts (or N units of --cost) in any window of PERIOD, cluster-wide: 5/s, 60/min, "
@@ -150,7 +162,7 @@ def _parser() -> argparse.ArgumentParser:
     js = sub.add_parser("jobs", help="list jobs, newest first")
     js.add_argument("--lane")
     js.add_argument("--status", choices=JOB_STATUSES)
-    js.add_argument("--limit", type=int, default=50)
+    js.add_argument("--limit", type=int, default=50, help="at most this many jobs (default 50; 0: all)")
     js.add_argument("--json", action="store_true")
 
     sh = sub.add_parser("show", help="one job, its attempts and the next safe action")
@@ -318,9 +330,13 @@ def _command(conn: Any, args: argparse.Namespace) -> int:
             "lane", "slots", "consumers", "queued", "running", "done", "failed", "cancelled",
             "oldest_queued_age", "next_safe_action")) if rows else "no lanes yet: pglane lane create NAME")
     elif cmd == "jobs":
-        rows = client.jobs(conn, lane=args.lane, status=args.status, limit=args.limit)
-        print(_json(rows) if args.json else _table(rows, (
-            "job_id", "lane", "status", "created_at", "queue_position", "attempts", "next_safe_action")))
+        limit = args.limit or None  # 0: every job
+        if args.json:  # streamed: a row is written as it comes, the listing is never held whole
+            _json_stream(client.iter_jobs(conn, lane=args.lane, status=args.status, limit=limit))
+        else:
+            rows = client.jobs(conn, lane=args.lane, status=args.status, limit=limit)
+            print(_table(rows, ("job_id", "lane", "status", "created_at", "queue_position", "attempts",
+                                "next_safe_action")))
     elif cmd == "show":
         job = client.job_status(conn, args.job)
         job["result"] = client.result(conn, args.job)

@@ -23,7 +23,7 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 
-from . import statements, timing, waiting
+from . import queries, statements, timing, waiting
 from .errors import ConfigurationError, DatabaseUnavailable, PglaneError, first_line, translate
 from .statements import _EMPTY, Listen, Pause, Plan, Query, Row, payload_json
 
@@ -190,8 +190,20 @@ def job_status(conn: Target, job_id: int) -> Row:
     return run(conn, statements.job_status(job_id))
 
 
-def jobs(conn: Target, *, lane: str | None = None, status: str | None = None, limit: int = 50) -> list[Row]:
+def jobs(conn: Target, *, lane: str | None = None, status: str | None = None, limit: int | None = 50) -> list[Row]:
+    """Jobs as `pglane jobs` lists them (queued ones first, in service order); limit None: all of them."""
     return run(conn, statements.jobs(lane=lane, status=status, limit=limit))
+
+
+def iter_jobs(conn: psycopg.Connection[Any], *, lane: str | None = None, status: str | None = None,
+              limit: int | None = None, batch: int = 1000) -> Iterator[Row]:
+    """The rows of jobs(), fetched `batch` at a time through a server-side cursor, so that listing
+    100,000 jobs never holds them all in memory. The cursor lives in a transaction of its own on
+    `conn` (one snapshot for the whole listing), which ends when the iteration does."""
+    with translated(), conn.transaction(), conn.cursor("pglane_jobs", row_factory=dict_row) as cur:
+        cur.itersize = batch
+        cur.execute(queries.JOBS, {"lane": lane, "status": status, "limit": limit})
+        yield from cur
 
 
 def attempts(conn: Target, job_id: int) -> list[Row]:

@@ -51,14 +51,25 @@ SLOT_HINT: LiteralString = "SELECT set_config('pglane.slot', %s, false)"
 
 LANE_STATUS: LiteralString = "SELECT * FROM pglane.lane_status ORDER BY lane"
 JOB_STATUS: LiteralString = "SELECT * FROM pglane.job_status WHERE job_id = %s"
-JOBS: LiteralString = (  # queued jobs first, in the order they will be served (as queue_position
-    # counts: eligible ones by created_at and id, then scheduled ones by run_after); the rest newest first
-    "SELECT * FROM pglane.job_status"
-    " WHERE (%(lane)s::text IS NULL OR lane = %(lane)s) AND (%(status)s::text IS NULL OR status = %(status)s)"
-    " ORDER BY status <> 'queued', (status = 'queued' AND run_after > now()),"
-    " CASE WHEN status = 'queued' AND run_after > now() THEN run_after END,"
-    " CASE WHEN status = 'queued' THEN created_at END, CASE WHEN status = 'queued' THEN job_id END,"
-    " job_id DESC LIMIT %(limit)s"
+# job_status's columns, in its order, but queue_position: a listing takes it from queue_positions().
+JOB_COLUMNS: LiteralString = (
+    "s.job_id, s.lane, s.status, s.created_at, s.run_after, s.started_at, s.finished_at, s.waiting_for_worker,"
+    " p.queue_position, s.attempts, s.seq, s.idempotency_key, s.last_error, s.attempt_id, s.attempt_status,"
+    " s.next_safe_action, s.result, s.enqueued_by"
+)
+JOBS: LiteralString = (  # queued jobs first, in the order they will be served (eligible ones by created_at
+    # and id, then scheduled ones by run_after); the rest newest first. The positions come from one ordered
+    # pass over the queue (pglane.queue_positions), not one count per listed row, so listing N queued jobs
+    # costs O(N); job_status's own queue_position is not named, so it is never computed. Not read at all
+    # when the listing asks for jobs that are not queued.
+    "SELECT " + JOB_COLUMNS + " FROM pglane.job_status s"
+    " LEFT JOIN (SELECT * FROM pglane.queue_positions(%(lane)s)"
+    "             WHERE coalesce(%(status)s::text, 'queued') = 'queued') p ON p.job_id = s.job_id"
+    " WHERE (%(lane)s::text IS NULL OR s.lane = %(lane)s) AND (%(status)s::text IS NULL OR s.status = %(status)s)"
+    " ORDER BY s.status <> 'queued', (s.status = 'queued' AND s.run_after > now()),"
+    " CASE WHEN s.status = 'queued' AND s.run_after > now() THEN s.run_after END,"
+    " CASE WHEN s.status = 'queued' THEN s.created_at END, CASE WHEN s.status = 'queued' THEN s.job_id END,"
+    " s.job_id DESC LIMIT %(limit)s"
 )
 ATTEMPTS: LiteralString = (
     "SELECT id, attempt_number, status, worker, backend_pid, backend_start, started_at, finished_at,"

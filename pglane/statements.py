@@ -121,7 +121,7 @@ def job_status(job_id: int) -> Plan[Row]:
     return row  # type: ignore[no-any-return]
 
 
-def jobs(*, lane: str | None, status: str | None, limit: int) -> Plan[list[Row]]:
+def jobs(*, lane: str | None, status: str | None, limit: int | None) -> Plan[list[Row]]:
     return (yield Query(queries.JOBS, {"lane": lane, "status": status, "limit": limit}, rows="all"))  # type: ignore[no-any-return]
 
 

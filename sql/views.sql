@@ -120,14 +120,89 @@ SELECT b.lane, b.slots, b.consumers, b.queued, b.running, b.done, b.failed, b.ca
        b.rate, b.rate_window_used, b.rate_next_start_at
   FROM base b;
 
+-- Lane facts for job_status, one map per statement: each is read by an uncorrelated sub-select in
+-- the view, which PostgreSQL runs once, at its first use, and then reuses for every row (an InitPlan).
+-- A listing of 100,000 queued jobs thus reads the slot locks once, not once per row (at about 0.1 ms
+-- a read, that was 12 s); a lookup of one job that needs none of them reads none. SECURITY DEFINER:
+-- a producer reads through job_status what these tell, not the tables they read.
+-- lanes_consumers: {lane id: sessions holding a slot of it right now} (lane_consumers() for every lane).
+CREATE OR REPLACE FUNCTION pglane.lanes_consumers() RETURNS jsonb
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
+    SELECT jsonb_object_agg(c.lane_id::text, c.consumers)
+      FROM (SELECT h.lane_id, count(DISTINCT h.pid) AS consumers FROM pglane.slot_holders h
+             WHERE h.granted AND h.mode = 'ExclusiveLock' GROUP BY h.lane_id) c;
+$$;
+
+-- lanes_next_start: {lane: rate_next_start(lane)} for the rate-limited lanes (null: it may start now).
+CREATE OR REPLACE FUNCTION pglane.lanes_next_start() RETURNS jsonb
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
+    SELECT jsonb_object_agg(l.name, pglane.rate_next_start(l.name)) FROM pglane.lanes l WHERE l.rate_limit IS NOT NULL;
+$$;
+
+-- lanes_in_flight: {lane: in_flight(lane)} for the strict lanes (takeover after_lease).
+CREATE OR REPLACE FUNCTION pglane.lanes_in_flight() RETURNS jsonb
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
+    SELECT jsonb_object_agg(l.name, to_jsonb(f)) FROM pglane.lanes l CROSS JOIN LATERAL pglane.in_flight(l.name) f
+     WHERE l.takeover = 'after_lease';
+$$;
+
+-- queue_positions: the position of every queued job of lane p_lane (of every lane if NULL), from one
+-- ordered pass over the queue index: O(queued), where job_status's per-row count is O(position) per
+-- row (listing N queued jobs through it costs N²/2 index entries: 26 s for 10,000). The order and
+-- the numbers are exactly job_status's queue_position: eligible jobs by created_at and id, then the
+-- scheduled ones by run_after, created_at and id, per lane. A listing joins it on job_id (see
+-- pglane/queries.py JOBS); one job's position stays job_status's index lookup, which a window over
+-- the whole queue would turn into O(queued) for every single-job read. SECURITY DEFINER to count the
+-- jobs a producer may not see (as job_status does), but it returns only the caller's own jobs, unless
+-- the caller sees every job.
+CREATE OR REPLACE FUNCTION pglane.queue_positions(p_lane text DEFAULT NULL)
+RETURNS TABLE (job_id bigint, queue_position bigint)
+LANGUAGE plpgsql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
+DECLARE
+    v_caller text := pglane.caller();
+    v_all    boolean := pglane.sees_every_job(v_caller::name);
+BEGIN
+    -- Two statements rather than one with (p_lane IS NULL OR lane = p_lane), so that each plans its
+    -- scan of the queue index (the lane's part of it, or all of it) and never the history.
+    IF p_lane IS NULL THEN
+        RETURN QUERY
+        SELECT p.id, p.pos FROM (
+            SELECT q.id, q.enqueued_by,
+                   row_number() OVER (PARTITION BY q.lane ORDER BY q.run_after > now(),
+                                      CASE WHEN q.run_after > now() THEN q.run_after END, q.created_at, q.id) AS pos
+              FROM pglane.jobs q WHERE q.in_queue) p
+         WHERE v_all OR p.enqueued_by = v_caller;
+    ELSE
+        RETURN QUERY
+        SELECT p.id, p.pos FROM (
+            SELECT q.id, q.enqueued_by,
+                   row_number() OVER (ORDER BY q.run_after > now(),
+                                      CASE WHEN q.run_after > now() THEN q.run_after END, q.created_at, q.id) AS pos
+              FROM pglane.jobs q WHERE q.lane = p_lane AND q.in_queue) p
+         WHERE v_all OR p.enqueued_by = v_caller;
+    END IF;
+END $$;
+
 -- queue_position counts the lane's queued jobs through the queue index (q.in_queue), so it costs
--- the backlog, not the history. A producer sees the jobs it enqueued (caller()), nothing else; operators
+-- the backlog, not the history: one job's position is one range count of that index. A listing of
+-- many queued jobs takes its positions from queue_positions() instead (one pass, not one count per
+-- row; a query that does not name queue_position never computes it). The lane facts come from the
+-- maps above, once per statement. A producer sees the jobs it enqueued (caller()), nothing else; operators
 -- and workers see every job (sees_every_job, evaluated once per query). security_barrier: a caller's
 -- own conditions run only on the rows it may see, so no function of theirs reads another's row.
 CREATE OR REPLACE VIEW pglane.job_status WITH (security_barrier) AS
 SELECT j.id AS job_id, j.lane, j.status, j.created_at, j.run_after, j.started_at, j.finished_at,
        (j.status = 'queued' AND greatest(j.created_at, j.run_after) < now() - l.waiting_grace
-        AND NOT (l.rate_limit IS NOT NULL AND j.run_after <= now() AND pglane.rate_next_start(j.lane) IS NOT NULL))
+        AND NOT (l.rate_limit IS NOT NULL AND j.run_after <= now()
+                 AND ((SELECT pglane.lanes_next_start()) ->> j.lane) IS NOT NULL))
            AS waiting_for_worker,
        CASE WHEN j.status = 'queued' THEN
            (SELECT count(*) FROM pglane.jobs q
@@ -142,14 +217,17 @@ SELECT j.id AS job_id, j.lane, j.status, j.created_at, j.run_after, j.started_at
        CASE j.status
            WHEN 'queued' THEN CASE
                WHEN j.run_after > now() THEN format('nothing to do: scheduled to run after %s', j.run_after)
-               WHEN l.takeover = 'after_lease' AND (SELECT f.in_flight >= l.slots AND f.lost_attempt IS NOT NULL
-                                                      FROM pglane.in_flight(j.lane) f) THEN
-                   (SELECT pglane.lease_wait_note(j.lane, f.lost_attempt, f.lease_ends) FROM pglane.in_flight(j.lane) f)
-               WHEN l.rate_limit IS NOT NULL AND pglane.rate_next_start(j.lane) IS NOT NULL THEN
+               WHEN l.takeover = 'after_lease'
+                    AND ((SELECT pglane.lanes_in_flight()) -> j.lane ->> 'in_flight')::bigint >= l.slots
+                    AND (SELECT pglane.lanes_in_flight()) -> j.lane ->> 'lost_attempt' IS NOT NULL THEN
+                   pglane.lease_wait_note(j.lane, ((SELECT pglane.lanes_in_flight()) -> j.lane ->> 'lost_attempt')::bigint,
+                                          ((SELECT pglane.lanes_in_flight()) -> j.lane ->> 'lease_ends')::timestamptz)
+               WHEN l.rate_limit IS NOT NULL AND ((SELECT pglane.lanes_next_start()) ->> j.lane) IS NOT NULL THEN
                    format('nothing to do: rate limited: lane %s (%s) makes its next start at %s', j.lane,
-                          pglane.rate_text(l.rate_limit, l.rate_period), pglane.rate_next_start(j.lane))
+                          pglane.rate_text(l.rate_limit, l.rate_period),
+                          ((SELECT pglane.lanes_next_start()) ->> j.lane)::timestamptz)
                WHEN greatest(j.created_at, j.run_after) >= now() - l.waiting_grace THEN 'nothing to do: just queued'
-               WHEN pglane.lane_consumers(l.id, l.slots) = 0 THEN
+               WHEN coalesce(((SELECT pglane.lanes_consumers()) ->> l.id::text)::integer, 0) = 0 THEN
                    format('start a worker for lane %s: pglane worker %s --handler MODULE:CALLABLE', j.lane, j.lane)
                ELSE format('wait: every slot of lane %s is busy; add slots and workers to go faster', j.lane)
            END

@@ -101,10 +101,19 @@ WAIT_UNDO_BEFORE = """
 WAIT_UNDO_AFTER = ""
 
 # --- listings at scale (#19) -------------------------------------------------------------------------
+# queue_positions(): a listing's positions from one ordered pass of the queue; lanes_consumers(),
+# lanes_next_start(), lanes_in_flight(): job_status's lane facts, read once per statement. Dropped
+# after 0007's text is back (0007's views do not use them; RATE_UNDO_BEFORE drops 0008's views).
+SCALE_FUNCTIONS = ("pglane.queue_positions(text), pglane.lanes_consumers(), pglane.lanes_next_start(),"
+                   " pglane.lanes_in_flight()")
 SCALE_BEFORE = ""
-SCALE_AFTER = ""
+SCALE_AFTER = f"""
+    GRANT EXECUTE ON FUNCTION {SCALE_FUNCTIONS} TO {ROLES};
+"""
 SCALE_UNDO_BEFORE = ""
-SCALE_UNDO_AFTER = ""
+SCALE_UNDO_AFTER = f"""
+    DROP FUNCTION {SCALE_FUNCTIONS};
+"""
 
 SECTIONS = ((RATE_BEFORE, RATE_AFTER, RATE_UNDO_BEFORE, RATE_UNDO_AFTER),
             (WAIT_BEFORE, WAIT_AFTER, WAIT_UNDO_BEFORE, WAIT_UNDO_AFTER),
