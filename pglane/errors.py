@@ -105,9 +105,15 @@ class UnknownJob(InvalidInput):
 
 
 class LaneFull(PglaneError):
-    """The lane holds ``max_queued`` queued jobs already; nothing was written."""
+    """The lane holds ``max_queued`` queued jobs already; nothing was written. ``retry_after``: the
+    seconds its workers lately took to make that much room (None when they started too little to
+    tell, and for a retry refused on a full lane)."""
 
     sqlstate = "PGL04"
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class IdempotencyConflict(PglaneError):
@@ -190,6 +196,9 @@ def translate(exc: psycopg.Error) -> PglaneError | None:
         message = diag.message_primary or str(exc)
         if diag.message_hint:
             message = f"{message} ({diag.message_hint})"
+        if code == LaneFull.sqlstate:  # the detail the SQL writes: retry_after_seconds=N, or empty
+            after = (diag.message_detail or "").removeprefix("retry_after_seconds=")
+            return LaneFull(message, float(after) if after.replace(".", "", 1).isdigit() else None)
         return SQLSTATES[code](message)
     if code == "23514":  # check_violation
         name = diag.constraint_name or ""

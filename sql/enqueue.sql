@@ -81,6 +81,23 @@ DROP TRIGGER IF EXISTS jobs_before_insert ON pglane.jobs;
 CREATE TRIGGER jobs_before_insert BEFORE INSERT ON pglane.jobs
     FOR EACH ROW EXECUTE FUNCTION pglane.jobs_before_insert();
 
+-- full_lane_retry_after: how long until a full lane has made room for p_excess more jobs, from the
+-- rate at which its workers started jobs lately: this lane's share of the last 1,000 attempts of any
+-- lane (newest first by id: a bounded read, paid only when an enqueue is refused with an error).
+-- NULL when they show fewer than two starts of the lane; between 0.1 s and 1 h otherwise.
+CREATE OR REPLACE FUNCTION pglane.full_lane_retry_after(p_lane text, p_excess bigint) RETURNS double precision
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT CASE WHEN count(*) >= 2 AND max(r.started_at) > min(r.started_at)
+                THEN least(3600, greatest(0.1, p_excess / (count(*) / extract(epoch FROM now() - min(r.started_at)))))
+           END
+      FROM (SELECT a.started_at, j.lane
+              FROM (SELECT a.job_id, a.started_at FROM pglane.attempts a ORDER BY a.id DESC LIMIT 1000) a
+              JOIN pglane.jobs j ON j.id = a.job_id) r
+     WHERE r.lane = p_lane AND r.started_at > now() - interval '10 minutes';
+$$;
+
 -- jobs_after_insert: once per statement, per lane touched: enforce max_queued and wake the lane.
 -- The bound holds under concurrent producers because the admissions update takes that row's lock
 -- until commit; an excess raises and rolls the whole statement back, so nothing is written. Claims
@@ -94,6 +111,7 @@ AS $$
 DECLARE
     r       record;
     v_depth bigint;
+    v_retry double precision;
 BEGIN
     FOR r IN SELECT l.id, l.name, l.max_queued, n.added
                FROM (SELECT lane, count(*) AS added FROM new_jobs GROUP BY lane) n
@@ -104,10 +122,17 @@ BEGIN
              WHERE a.lane_id = r.id RETURNING a.admitted INTO v_depth;
             v_depth := v_depth - (SELECT c.left_queue FROM pglane.lane_counters c WHERE c.lane_id = r.id);
             IF v_depth > r.max_queued THEN
+                v_retry := pglane.full_lane_retry_after(r.name, v_depth - r.max_queued);
                 RAISE EXCEPTION USING ERRCODE = 'PGL04',
                     MESSAGE = format('lane %L is full: max_queued is %s and %s job(s) are queued',
                                      r.name, r.max_queued, v_depth - r.added),
-                    HINT = 'retry later, once workers have drained the lane, or raise its max_queued';
+                    DETAIL = CASE WHEN v_retry IS NULL THEN 'retry_after_seconds='
+                                  ELSE format('retry_after_seconds=%s', round(v_retry::numeric, 1)) END,
+                    HINT = CASE WHEN v_retry IS NULL
+                                THEN 'retry later, once workers have drained the lane, or raise its max_queued'
+                                ELSE format('retry in about %s s (what the lane''s workers started lately takes '
+                                            'that long to make room), or raise its max_queued', ceil(v_retry))
+                           END;
             END IF;
         END IF;
         PERFORM pglane.notify_lane(r.id);

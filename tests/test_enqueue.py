@@ -10,7 +10,7 @@ import psycopg
 import pytest
 
 import pglane
-from tests.conftest import concurrently, lane_id
+from tests.conftest import concurrently, lane_id, take_slot
 
 
 def count_jobs(conn: Any) -> int:
@@ -160,6 +160,34 @@ def test_a_bounded_lane_refuses_jobs_past_max_queued_on_every_path(conn: Any) ->
     pglane.cancel(conn, job)  # leaving the queue frees a place
     pglane.enqueue(conn, "bounded", {"n": 10})
     assert conn.execute("SELECT count(*) AS n FROM pglane.jobs WHERE status = 'queued'").fetchone()["n"] == 3
+
+
+def test_lane_full_says_when_to_retry_from_the_lanes_recent_starts(conn: Any, session: Any) -> None:
+    pglane.create_lane(conn, "bounded", job_timeout=10, max_queued=3)
+    for n in range(3):
+        pglane.enqueue(conn, "bounded", {"n": n})
+    with pytest.raises(pglane.LaneFull) as idle:
+        pglane.enqueue(conn, "bounded", {"n": 9})
+    assert idle.value.retry_after is None  # no start yet: nothing to tell from
+    assert "retry later" in str(idle.value)
+    worker = session()
+    take_slot(worker, "bounded")
+    for n in range(3):  # three starts, half a second apart on the server's clock, each making room
+        row = worker.execute("SELECT c.job_id FROM pglane.claim_or_wait('bounded', 'w') c, pg_sleep(0.5)").fetchone()
+        assert row is not None and row["job_id"] is not None
+        pglane.enqueue(conn, "bounded", {"n": 3 + n})
+    with pytest.raises(pglane.LaneFull) as one:
+        pglane.enqueue(conn, "bounded", {"n": 9})
+    span = conn.execute("SELECT extract(epoch FROM now() - min(started_at))::float8 AS s FROM pglane.jobs"
+                        " WHERE lane = 'bounded' AND started_at IS NOT NULL").fetchone()["s"]
+    assert one.value.retry_after is not None and span >= 1.0
+    assert abs(one.value.retry_after - span / 3) < 0.2, (one.value.retry_after, span)  # 3 starts in span s: 1 job
+    assert f"retry in about {int(-(-one.value.retry_after // 1))} s" in str(one.value)
+    with pytest.raises(pglane.LaneFull) as six, pglane.client.translated():
+        conn.execute("INSERT INTO pglane.jobs (lane, payload) SELECT 'bounded', '{}' FROM generate_series(1, 6)")
+    assert six.value.retry_after is not None
+    assert 5.5 <= six.value.retry_after / one.value.retry_after <= 6.5  # room for six takes six times as long
+    assert count_jobs(conn) == 6
 
 
 def test_a_batch_insert_past_the_bound_is_refused_whole(conn: Any) -> None:

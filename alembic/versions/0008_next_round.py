@@ -61,7 +61,8 @@ RATE_UNDO_BEFORE = """
                   pglane.parse_rate(text), pglane.rate_text(integer, interval), pglane.rate_wait(integer, integer,
                   interval, bigint, integer, integer, timestamptz), pglane.rate_next_start(text),
                   pglane.rate_window_use(text), pglane.rate_refusal(pglane.claimed, pglane.lanes, bigint, integer,
-                  integer, bigint, timestamptz);
+                  integer, bigint, timestamptz),
+                  pglane.full_lane_retry_after(text, bigint);  -- LaneFull's retry delay (#19)
     ALTER TYPE pglane.claimed DROP ATTRIBUTE wait_reason;
     DROP TABLE pglane.lane_starts;
     ALTER TABLE pglane.lane_counters DROP COLUMN window_cost;
