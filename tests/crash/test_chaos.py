@@ -48,7 +48,7 @@ def test_a_standby_and_random_kills_keep_one_call_at_a_time(
     for _ in range(6):
         # The holder among the live workers: the one that logged its slot (on a loaded machine the
         # standby may log it a while after the killed holder's backend let the lock go).
-        def holding() -> list[Any]:
+        def holding(procs: list[Any] = procs) -> list[Any]:
             return [p for p in procs if p.poll() is None and "holding slot" in Workers.log(p)]
         wait_until(lambda: slot_holder(conn, lane) and holding(), 30, "a live worker holding the slot")
         time.sleep(rng.uniform(0.1, 0.3))  # the random moment of the kill
