@@ -16,6 +16,9 @@ pglane.schema.upgrade and then changed here (pglane's sql/ and migrations are ne
 - ``exp_lock_first``: pglane.claim_impl with the counters row locked (FOR UPDATE) before the job is
   looked up, as a strict lane's claim already does: a lane's claimers queue once, up front, and the
   one that holds the lock never skips rows other claims have locked; the lock is held longer.
+- ``exp_no_token``: pglane without the attempt's secret (#16): claim_impl stores no token (no
+  gen_random_uuid()) and complete_impl's guard no longer compares one; everything else as is. What
+  "only the claimer can write an outcome" costs the claim/complete path (bound: at most 3 %).
 
 and the bare floor's database (bench_floor, bench.floors) for:
 
@@ -42,7 +45,7 @@ import re
 import shutil
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,13 +60,14 @@ from .stats import Sizes, median_interval, progress, progress_done, rotations, s
 from .throughput import FloorGroup, FloorPool, Group, floor_lane
 
 RESULTS = Path(__file__).resolve().parent / "results"
-VARIANTS = ("exp_as_is", "exp_no_checks", "exp_seq_last", "exp_lock_first")
+VARIANTS = ("exp_as_is", "exp_no_checks", "exp_seq_last", "exp_lock_first", "exp_no_token")
 BARE = ("floor_one_commit", "floor_plpgsql", "floor_seq", "floor_seq_flush")
 # (name, numerator, denominator): numerator/denominator, within each repetition, at each slot count
 QUESTIONS = (
     ("CHECKs: contract without/with", "exp_no_checks", "exp_as_is"),
     ("seq bumped last: contract seq_last/as is", "exp_seq_last", "exp_as_is"),
     ("counters locked first: contract lock_first/as is", "exp_lock_first", "exp_as_is"),
+    ("secret: contract as is/no token", "exp_as_is", "exp_no_token"),
     ("plpgsql: plpgsql/bare", "floor_plpgsql", "floor_one_commit"),
     ("contract/bare one commit", "exp_as_is", "floor_one_commit"),
     ("seq: seq/bare", "floor_seq", "floor_one_commit"),
@@ -118,7 +122,27 @@ def lock_first(definition: str) -> str | None:
     return definition.replace(LOOKUP, lock + LOOKUP)
 
 
-REWRITES = {"exp_seq_last": seq_last, "exp_lock_first": lock_first}
+TOKEN_MADE = "r.lease_expires_at, r.seq, gen_random_uuid()"
+TOKEN_GUARD = "\n       AND (a.token = p_token OR pglane.may_write(p_token, a.token, a.backend_pid, a.backend_start));"
+
+
+def no_token_claim(definition: str) -> str | None:
+    """claim_impl's text storing no token; None if the text is not of the expected shape."""
+    return definition.replace(TOKEN_MADE, "r.lease_expires_at, r.seq, NULL", 1) if TOKEN_MADE in definition else None
+
+
+def no_token_complete(definition: str) -> str | None:
+    """complete_impl's text with its usual-case guard not asking for the token; None if not found."""
+    return definition.replace(TOKEN_GUARD, ";", 1) if definition.count(TOKEN_GUARD) == 1 else None
+
+
+Rewrite = Callable[[str], "str | None"]
+# variant -> the functions it rewrites from their installed text, and how
+REWRITES: dict[str, list[tuple[str, Rewrite]]] = {
+    "exp_seq_last": [("pglane.claim_impl", seq_last)],
+    "exp_lock_first": [("pglane.claim_impl", lock_first)],
+    "exp_no_token": [("pglane.claim_impl", no_token_claim), ("pglane.complete_impl", no_token_complete)],
+}
 
 
 def setup(dsns: dict[str, str], slot_counts: Sequence[int]) -> dict[str, int]:
@@ -134,11 +158,11 @@ def setup(dsns: dict[str, str], slot_counts: Sequence[int]) -> dict[str, int]:
             for statement in statements:
                 conn.execute(sql.SQL(statement))  # names read from the catalog, quoted by format()
             dropped[variant] = len(statements)
-            if variant in REWRITES:
-                row = conn.execute("SELECT pg_get_functiondef('pglane.claim_impl'::regproc)").fetchone()
-                rewritten = REWRITES[variant](str(row[0])) if row else None
+            for function, rewrite in REWRITES.get(variant, []):
+                row = conn.execute("SELECT pg_get_functiondef(%s::regproc)", (function,)).fetchone()
+                rewritten = rewrite(str(row[0])) if row else None
                 if rewritten is None:
-                    raise RuntimeError(f"claim_impl is not of the shape {variant} rewrites: update bench.experiments")
+                    raise RuntimeError(f"{function} is not of the shape {variant} rewrites: update bench.experiments")
                 conn.execute(sql.SQL(rewritten))  # pglane's own function text, rewritten above
     floors.setup(dsns["floor"])
     return dropped
