@@ -79,6 +79,9 @@ EXIT_UNSTORED = 69  # EX_UNAVAILABLE: stopped while the database was unreachable
 SESSION_ENDS = (psycopg.Error, NoSlotHeld, DatabaseUnavailable)  # what ends a session: back to connecting
 READ_ONLY = "25006"  # read_only_sql_transaction: what a standby or a demoted primary answers a write
 EMPTY_CLAIM_GAP = 0.02  # at most 50 claims a second that find nothing, however many wake-ups come
+# Back-to-back jobs whose handler never suspends (an async handler with nothing to await) never give
+# the event loop a turn, and a stop signal is dispatched only on one: the drain yields at least this often.
+LOOP_TURN = 0.05
 
 
 @dataclass(frozen=True)
@@ -306,6 +309,7 @@ class Worker:
     async def _drain(self, session: LockSession) -> None:
         """Holding the slot, until done: run the job held, else wait and claim (module doc)."""
         claim = self._claim(session)
+        turn = time.monotonic() + LOOP_TURN
         while claim is not None or not self._done():
             if session.news:  # pglane lane set changed the lane: its settings apply from here
                 self._lane = self._reload_lane(session, self._lane)
@@ -313,6 +317,9 @@ class Worker:
                 outcome = await self._call(session, claim)
                 self.jobs_run += 1
                 claim = self._write_and_claim(session, claim, outcome)
+                if time.monotonic() >= turn:  # SIGTERM's handler runs on a turn of the loop: give it one
+                    await asyncio.sleep(0)
+                    turn = time.monotonic() + LOOP_TURN
             else:
                 claim = await self._wait_and_claim(session)
 

@@ -89,6 +89,11 @@ def noop(job: Job) -> Any:
     return None
 
 
+async def noop_async(job: Job) -> Any:
+    """Returns without ever suspending: the worker's event loop gets no turn from the call."""
+    return None
+
+
 def echo(job: Job) -> Any:
     return {"echo": job.payload}
 

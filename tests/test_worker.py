@@ -228,6 +228,22 @@ def test_a_stop_signal_finishes_the_current_call_and_exits_0(
     assert leftover == 0
 
 
+def test_a_stop_signal_stops_a_worker_busy_with_calls_that_never_suspend(
+    conn: Any, lane: str, workers: Workers
+) -> None:
+    conn.execute("INSERT INTO pglane.jobs (lane, payload) SELECT %s, '{}' FROM generate_series(1, 200000)", (lane,))
+    proc = workers.start(lane, "tests.handlers:noop_async")
+    done = "SELECT count(*) AS n FROM pglane.jobs WHERE lane = %s AND status = 'done'"
+    wait_until(lambda: conn.execute(done, (lane,)).fetchone()["n"] >= 200, 30, "the worker to be busy")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0, "the worker went on with its backlog after SIGTERM"
+    assert "SIGTERM received" in workers.log(proc)
+    left = conn.execute("SELECT count(*) FILTER (WHERE status = 'queued') AS queued,"
+                        " count(*) FILTER (WHERE status = 'running') AS running FROM pglane.jobs WHERE lane = %s",
+                        (lane,)).fetchone()
+    assert left["queued"] > 0 and left["running"] == 0  # stopped between jobs, with the backlog left queued
+
+
 def test_a_stop_while_the_database_is_unreachable_logs_how_to_store_the_outcome(
     dsn: str, conn: Any, lane: str, workers: Workers, ledger: Ledger
 ) -> None:
