@@ -67,6 +67,16 @@ def _count_or_none(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"{text!r} is neither a whole number nor none") from None
 
 
+def _duty(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a share of time between 0 (exclusive) and 1, e.g. 0.5")
+    return value
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -189,6 +199,9 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--lane")
     pr.add_argument("--batch", type=int, default=5000,
                     help="delete at most this many jobs per transaction (default 5000); interrupt at will")
+    pr.add_argument("--duty", type=_duty, default=0.5,
+                    help="the share of its time the prune spends deleting: after each batch it pauses so that "
+                    "the workers beside it keep the rest of the server's CPU (default 0.5; 1 never pauses)")
     pr.add_argument("--include-failed", action="store_true",
                     help="also delete failed jobs, whose attempts explain what may have been paid")
 
@@ -373,9 +386,15 @@ def _prune(conn: Any, args: argparse.Namespace) -> int:
         raise ConfigurationError("--batch must be at least 1")
     total = client.prunable(conn, args.older_than, lane=args.lane, include_failed=args.include_failed)
     started, shown = time.monotonic(), -1
+    batch_began, busy = started, 0.0
 
     def progress(done: int) -> None:
-        nonlocal shown
+        nonlocal shown, batch_began, busy
+        took = time.monotonic() - batch_began
+        busy += took
+        if args.duty < 1.0:  # pause after each batch in proportion to it: deleting takes args.duty of the time
+            time.sleep(took * (1.0 / args.duty - 1.0))
+        batch_began = time.monotonic()
         elapsed = max(time.monotonic() - started, 1e-6)
         rate = done / elapsed
         share = min(done / total, 1.0) if total else 1.0
@@ -392,6 +411,9 @@ def _prune(conn: Any, args: argparse.Namespace) -> int:
                            batch=args.batch, progress=progress)
     if sys.stderr.isatty() and deleted:
         print(file=sys.stderr)
+    elapsed = time.monotonic() - started
+    print(f"pruned {deleted} jobs in {elapsed:.2f}s, deleting for {busy:.2f}s of it (--duty {args.duty:g})",
+          file=sys.stderr)
     return deleted
 
 

@@ -129,3 +129,16 @@ def test_the_demo_runs_on_the_embedded_default_and_shows_the_whole_promise() -> 
     assert ": lost: " in out and "the paid call may have been made" in out
     assert "the paid service was called 1 time(s) for it" in out
     assert "retry only if you accept paying again" in out
+
+
+def test_prune_paces_itself_to_its_duty_and_refuses_a_bad_one(dsn: str, conn: Any, lane: str) -> None:
+    conn.execute("INSERT INTO pglane.jobs (lane, payload) SELECT %s, '{}' FROM generate_series(1, 6000)", (lane,))
+    conn.execute("UPDATE pglane.jobs SET status = 'done', finished_at = now() - interval '1 day' WHERE lane = %s",
+                 (lane,))
+    done = run("prune", "--older-than", "1h", "--batch", "500", "--duty", "0.25", dsn=dsn)
+    assert done.returncode == 0 and done.stdout.strip() == "6000", done.stderr
+    line = next(x for x in done.stderr.splitlines() if x.startswith("pruned 6000 jobs in "))
+    elapsed, busy = (float(x.split("s")[0]) for x in (line.split(" in ")[1], line.split("deleting for ")[1]))
+    assert 0.15 <= busy / elapsed <= 0.26, line  # paused three times as long as each batch took
+    bad = run("prune", "--older-than", "1h", "--duty", "0", dsn=dsn)
+    assert bad.returncode == 2 and "not a share of time between 0 (exclusive) and 1" in bad.stderr
