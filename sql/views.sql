@@ -32,22 +32,209 @@ SELECT h.lane_id, h.lane, h.slot, h.pid, h.mode, h.granted, s.usename::text AS r
   FROM pglane.slot_holders h
   LEFT JOIN pg_catalog.pg_stat_activity s ON s.pid = h.pid;
 
+-- lane_status's counts, independent of the history (#19): a lane's done, failed and cancelled jobs
+-- are not counted from its history on every read but kept in pglane.lane_tallies, and that without
+-- a write on the claim/complete path. A tally keeps, per lane, how many jobs the table holds (jobs),
+-- how many are failed and how many cancelled; done is what is left of jobs once the queued and
+-- running ones (read through the queue and running-attempt indexes: the backlog) and the failed and
+-- cancelled ones are taken off. So the triggers below move a tally only when a job is inserted or
+-- deleted, or enters or leaves failed or cancelled: claim (queued -> running), complete (running ->
+-- done) and a retry's requeue (running -> queued) fire nothing but a trigger's WHEN test. Every
+-- writer is counted, pglane's functions and plain SQL alike (a TRUNCATE empties the tallies); rows
+-- written with triggers off (session_replication_role = replica) are not: pglane.recount_tallies()
+-- counts everything again. A job made running by hand without a running attempt would read as done.
+--
+-- A tally change is a row of its own (a delta), inserted, never an update of a shared row: so
+-- producers never wait on each other for it (a producer's open transaction locks nothing another needs),
+-- and a statement that changes many jobs one row at a time costs each row the same. lane_status adds a
+-- lane's rows up; every 64th delta folds the lane's rows into one (rows another fold holds are skipped;
+-- at most one fold per transaction), so a lane keeps a few dozen rows, whatever its history, but for
+-- the rows of one big statement until the next fold.
+CREATE OR REPLACE FUNCTION pglane.tally(p_lane text, p_jobs bigint, p_failed bigint, p_cancelled bigint) RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
+DECLARE
+    v_lane  integer;
+    v_shard bigint := nextval('pglane.lane_tally_shards');
+BEGIN
+    SELECT l.id INTO v_lane FROM pglane.lanes l WHERE l.name = p_lane;
+    INSERT INTO pglane.lane_tallies (lane_id, shard, jobs, failed, cancelled)
+    VALUES (v_lane, v_shard, p_jobs, p_failed, p_cancelled);
+    -- At most once per transaction: rows this transaction deleted stay in the way of its later reads.
+    IF v_shard % 64 = 0 AND current_setting('pglane.tallies_folded', true) IS DISTINCT FROM txid_current()::text THEN
+        PERFORM pglane.fold_tallies(v_lane);
+        PERFORM set_config('pglane.tallies_folded', txid_current()::text, true);
+    END IF;
+END $$;
+
+-- fold_tallies: replace lane p_lane_id's tally rows that no other transaction holds by their sum, and
+-- let go of the cancels older than lane_flow()'s 5 minutes.
+CREATE OR REPLACE FUNCTION pglane.fold_tallies(p_lane_id integer) RETURNS void
+LANGUAGE sql
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
+    WITH held AS MATERIALIZED (
+        SELECT s.shard FROM pglane.lane_tallies s WHERE s.lane_id = p_lane_id FOR UPDATE SKIP LOCKED
+    ), gone AS (
+        DELETE FROM pglane.lane_tallies t USING held h
+         WHERE t.lane_id = p_lane_id AND t.shard = h.shard
+        RETURNING t.jobs, t.failed, t.cancelled
+    )
+    INSERT INTO pglane.lane_tallies (lane_id, shard, jobs, failed, cancelled)
+    SELECT p_lane_id, nextval('pglane.lane_tally_shards'), sum(g.jobs), sum(g.failed), sum(g.cancelled)
+      FROM gone g HAVING count(*) > 0;
+    DELETE FROM pglane.recent_cancels c WHERE c.cancelled_at < now() - interval '5 minutes';
+$$;
+
+-- jobs_tally_insert, jobs_tally_delete: once per statement, per lane touched.
+CREATE OR REPLACE FUNCTION pglane.jobs_tally_insert() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
+BEGIN
+    PERFORM pglane.tally(n.lane, n.jobs, n.failed, n.cancelled)
+       FROM (SELECT j.lane, count(*) AS jobs, count(*) FILTER (WHERE j.status = 'failed') AS failed,
+                    count(*) FILTER (WHERE j.status = 'cancelled') AS cancelled
+               FROM new_jobs j GROUP BY j.lane) n;
+    RETURN NULL;
+END $$;
+
+CREATE OR REPLACE FUNCTION pglane.jobs_tally_delete() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
+BEGIN
+    PERFORM pglane.tally(o.lane, -o.jobs, -o.failed, -o.cancelled)
+       FROM (SELECT j.lane, count(*) AS jobs, count(*) FILTER (WHERE j.status = 'failed') AS failed,
+                    count(*) FILTER (WHERE j.status = 'cancelled') AS cancelled
+               FROM old_jobs j GROUP BY j.lane) o;
+    RETURN NULL;
+END $$;
+
+-- jobs_tally_change: a job entered or left failed or cancelled (or moved to another lane). A job that
+-- becomes cancelled is also noted in recent_cancels, for lane_flow() (a fold lets go of older ones).
+CREATE OR REPLACE FUNCTION pglane.jobs_tally_change() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
+BEGIN
+    IF OLD.lane = NEW.lane THEN
+        PERFORM pglane.tally(NEW.lane, 0, (NEW.status = 'failed')::integer - (OLD.status = 'failed')::integer,
+                             (NEW.status = 'cancelled')::integer - (OLD.status = 'cancelled')::integer);
+    ELSE
+        PERFORM pglane.tally(OLD.lane, -1, -(OLD.status = 'failed')::integer, -(OLD.status = 'cancelled')::integer);
+        PERFORM pglane.tally(NEW.lane, 1, (NEW.status = 'failed')::integer, (NEW.status = 'cancelled')::integer);
+    END IF;
+    IF NEW.status = 'cancelled' AND OLD.status IS DISTINCT FROM 'cancelled' THEN
+        INSERT INTO pglane.recent_cancels (job_id, cancelled_at) VALUES (NEW.id, now());
+    END IF;
+    RETURN NULL;
+END $$;
+
+CREATE OR REPLACE FUNCTION pglane.jobs_tally_truncate() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
+BEGIN
+    DELETE FROM pglane.lane_tallies;
+    DELETE FROM pglane.recent_cancels;
+    RETURN NULL;
+END $$;
+
+DROP TRIGGER IF EXISTS jobs_tally_insert ON pglane.jobs;
+CREATE TRIGGER jobs_tally_insert AFTER INSERT ON pglane.jobs
+    REFERENCING NEW TABLE AS new_jobs
+    FOR EACH STATEMENT EXECUTE FUNCTION pglane.jobs_tally_insert();
+DROP TRIGGER IF EXISTS jobs_tally_delete ON pglane.jobs;
+CREATE TRIGGER jobs_tally_delete AFTER DELETE ON pglane.jobs
+    REFERENCING OLD TABLE AS old_jobs
+    FOR EACH STATEMENT EXECUTE FUNCTION pglane.jobs_tally_delete();
+DROP TRIGGER IF EXISTS jobs_tally_change ON pglane.jobs;
+CREATE TRIGGER jobs_tally_change AFTER UPDATE ON pglane.jobs
+    FOR EACH ROW
+    WHEN (OLD.lane IS DISTINCT FROM NEW.lane
+          OR (OLD.status IS DISTINCT FROM NEW.status
+              AND (OLD.status IN ('failed', 'cancelled') OR NEW.status IN ('failed', 'cancelled'))))
+    EXECUTE FUNCTION pglane.jobs_tally_change();
+DROP TRIGGER IF EXISTS jobs_tally_truncate ON pglane.jobs;
+CREATE TRIGGER jobs_tally_truncate AFTER TRUNCATE ON pglane.jobs
+    FOR EACH STATEMENT EXECUTE FUNCTION pglane.jobs_tally_truncate();
+
+-- recount_tallies: count every lane's jobs again from the history (one full read, with writers to
+-- pglane.jobs held off meanwhile): after rows were written with triggers off. Returns the lanes counted.
+CREATE OR REPLACE FUNCTION pglane.recount_tallies() RETURNS integer
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
+DECLARE
+    v_lanes integer;
+BEGIN
+    LOCK TABLE pglane.jobs IN SHARE MODE;
+    DELETE FROM pglane.lane_tallies;
+    INSERT INTO pglane.lane_tallies (lane_id, shard, jobs, failed, cancelled)
+    SELECT l.id, 0, count(*), count(*) FILTER (WHERE j.status = 'failed'), count(*) FILTER (WHERE j.status = 'cancelled')
+      FROM pglane.jobs j JOIN pglane.lanes l ON l.name = j.lane
+     GROUP BY l.id;
+    GET DIAGNOSTICS v_lanes = ROW_COUNT;
+    RETURN v_lanes;
+END $$;
+
+-- lane_flow: how many of lane p_lane's jobs arrived, and how many finished, in the last 5 minutes,
+-- without reading older history: the queued ones through the queue index, the running ones through
+-- their running attempts, the done and failed ones through the attempt that finished them (the
+-- attempts_finished index: a done or failed job's latest attempt finished in the same transaction as
+-- the job), the cancelled ones through recent_cancels. Its cost follows the last 5 minutes' traffic;
+-- lane_status asks for it only when it may advise on a growing backlog.
+CREATE OR REPLACE FUNCTION pglane.lane_flow(p_lane text, OUT arrived_5m bigint, OUT finished_5m bigint)
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
+    WITH finished AS (
+        SELECT j.created_at FROM pglane.attempts a
+          JOIN pglane.jobs j ON j.id = a.job_id AND j.attempts = a.attempt_number
+         WHERE a.finished_at > now() - interval '5 minutes' AND j.lane = p_lane
+           AND j.status IN ('done', 'failed') AND j.finished_at > now() - interval '5 minutes'
+        UNION ALL
+        SELECT j.created_at
+          FROM (SELECT DISTINCT c.job_id FROM pglane.recent_cancels c
+                 WHERE c.cancelled_at > now() - interval '5 minutes') c
+          JOIN pglane.jobs j ON j.id = c.job_id
+         WHERE j.lane = p_lane AND j.status = 'cancelled' AND j.finished_at > now() - interval '5 minutes'
+    )
+    SELECT (SELECT count(*) FROM pglane.jobs j
+             WHERE j.lane = p_lane AND j.in_queue AND j.created_at > now() - interval '5 minutes')
+         + (SELECT count(*) FROM pglane.attempts a JOIN pglane.jobs j ON j.id = a.job_id
+             WHERE a.status = 'running' AND j.status = 'running' AND j.lane = p_lane
+               AND j.created_at > now() - interval '5 minutes')
+         + (SELECT count(*) FROM finished f WHERE f.created_at > now() - interval '5 minutes'),
+           (SELECT count(*) FROM finished);
+$$;
+
+-- lane_status: every count of a lane without reading its history: queued and eligible through the
+-- queue index, running through the running attempts, done, failed and cancelled from the tallies
+-- (above), the last 5 minutes' flow (lane_flow) only for a lane whose eligible jobs wait past the
+-- grace. It costs the lanes, the backlog and the running attempts.
 CREATE OR REPLACE VIEW pglane.lane_status AS
-WITH counts AS (
+WITH queue AS (
     SELECT j.lane,
-           count(*) FILTER (WHERE j.status = 'queued') AS queued,
-           count(*) FILTER (WHERE j.status = 'queued' AND j.run_after <= now()) AS eligible,
-           count(*) FILTER (WHERE j.status = 'running') AS running,
-           count(*) FILTER (WHERE j.status = 'done') AS done,
-           count(*) FILTER (WHERE j.status = 'failed') AS failed,
-           count(*) FILTER (WHERE j.status = 'cancelled') AS cancelled,
-           min(j.created_at) FILTER (WHERE j.status = 'queued') AS oldest_queued,
-           min(greatest(j.created_at, j.run_after)) FILTER (WHERE j.status = 'queued' AND j.run_after <= now())
-               AS oldest_eligible,
-           count(*) FILTER (WHERE j.created_at > now() - interval '5 minutes') AS arrived_5m,
-           count(*) FILTER (WHERE j.finished_at > now() - interval '5 minutes') AS finished_5m
+           count(*) AS queued,
+           count(*) FILTER (WHERE j.run_after <= now()) AS eligible,
+           min(j.created_at) AS oldest_queued,
+           min(greatest(j.created_at, j.run_after)) FILTER (WHERE j.run_after <= now()) AS oldest_eligible
       FROM pglane.jobs j
+     WHERE j.in_queue
      GROUP BY j.lane
+), running AS (
+    SELECT j.lane, count(*) AS running
+      FROM pglane.attempts a JOIN pglane.jobs j ON j.id = a.job_id
+     WHERE a.status = 'running' AND j.status = 'running'
+     GROUP BY j.lane
+), tallies AS (
+    SELECT t.lane_id, sum(t.jobs)::bigint AS jobs, sum(t.failed)::bigint AS failed,
+           sum(t.cancelled)::bigint AS cancelled
+      FROM pglane.lane_tallies t
+     GROUP BY t.lane_id
 ), attempts_now AS (
     SELECT ra.lane, count(*) FILTER (WHERE NOT ra.alive) AS orphaned,
            count(*) FILTER (WHERE ra.alive AND ra.past_lease) AS stuck
@@ -68,14 +255,17 @@ WITH counts AS (
            count(*) FILTER (WHERE ss.squatter) AS squatters
       FROM pglane.slot_sessions ss
      GROUP BY ss.lane_id
-), base AS (
+), base AS MATERIALIZED (  -- materialized: each lane's flow (arrived, finished) is read once
     SELECT l.name AS lane, l.id AS lane_id, l.slots, pglane.lane_consumers(l.id, l.slots) AS consumers,
-           coalesce(c.queued, 0) AS queued, coalesce(c.eligible, 0) AS eligible,
-           coalesce(c.running, 0) AS running, coalesce(c.done, 0) AS done,
-           coalesce(c.failed, 0) AS failed, coalesce(c.cancelled, 0) AS cancelled,
-           now() - c.oldest_queued AS oldest_queued_age,
-           now() - c.oldest_eligible AS oldest_eligible_age,
-           coalesce(c.arrived_5m, 0) AS arrived_5m, coalesce(c.finished_5m, 0) AS finished_5m,
+           coalesce(q.queued, 0) AS queued, coalesce(q.eligible, 0) AS eligible,
+           coalesce(r.running, 0) AS running,
+           coalesce(t.jobs, 0) - coalesce(q.queued, 0) - coalesce(r.running, 0) - coalesce(t.failed, 0)
+               - coalesce(t.cancelled, 0) AS done,
+           coalesce(t.failed, 0) AS failed, coalesce(t.cancelled, 0) AS cancelled,
+           now() - q.oldest_queued AS oldest_queued_age,
+           now() - q.oldest_eligible AS oldest_eligible_age,
+           CASE WHEN q.eligible > 0 AND now() - q.oldest_eligible > l.waiting_grace
+                THEN (SELECT ARRAY[fl.arrived_5m, fl.finished_5m] FROM pglane.lane_flow(l.name) fl) END AS flow,
            coalesce(an.orphaned, 0) AS orphaned, coalesce(an.stuck, 0) AS stuck,
            l.max_queued, l.waiting_grace, l.job_timeout, l.lease_timeout, l.max_attempts,
            coalesce(h.holders, '[]') AS holders, coalesce(h.squatters, 0) AS squatters, h.squatter_action,
@@ -83,7 +273,9 @@ WITH counts AS (
            pglane.rate_text(l.rate_limit, l.rate_period) AS rate, pglane.rate_window_use(l.name) AS rate_window_used,
            pglane.rate_next_start(l.name) AS rate_next_start_at
       FROM pglane.lanes l
-      LEFT JOIN counts c ON c.lane = l.name
+      LEFT JOIN queue q ON q.lane = l.name
+      LEFT JOIN running r ON r.lane = l.name
+      LEFT JOIN tallies t ON t.lane_id = l.id
       LEFT JOIN attempts_now an ON an.lane = l.name
       LEFT JOIN holders h ON h.lane_id = l.id
       LEFT JOIN LATERAL pglane.in_flight(l.name) f ON true
@@ -107,10 +299,11 @@ SELECT b.lane, b.slots, b.consumers, b.queued, b.running, b.done, b.failed, b.ca
            WHEN b.rate_next_start_at IS NOT NULL AND b.eligible > 0 THEN
                format('nothing to do: rate limited (%s, %s used in the current window): next start at %s',
                       b.rate, b.rate_window_used, b.rate_next_start_at)
-           WHEN b.eligible > 0 AND b.oldest_eligible_age > b.waiting_grace AND b.arrived_5m > b.finished_5m THEN
+           WHEN b.eligible > 0 AND b.oldest_eligible_age > b.waiting_grace
+                AND b.flow[1] > b.flow[2] THEN
                format('backlog of lane %s is growing (%s queued, %s arrived and %s finished in 5 min): '
                       'add slots and workers, or expect the oldest to wait longer', b.lane, b.queued,
-                      b.arrived_5m, b.finished_5m)
+                      b.flow[1], b.flow[2])
            WHEN b.consumers = 0 THEN
                format('nothing queued; start a worker for lane %s before work arrives', b.lane)
            ELSE 'nothing to do'

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 import pglane
+from pglane import queries
 from tests.conftest import claim, take_slot
 from tests.test_cli import run
 
@@ -214,3 +217,177 @@ def test_jobs_json_streams_the_whole_listing_from_a_server_side_cursor(conn: Any
         assert seen == 2010
         left = reader.execute("SELECT count(*) AS n FROM pg_cursors").fetchone()
         assert left is not None and left["n"] == 0
+
+
+# ----- lane_status without the history (#19, point 2) -------------------------------------------------
+
+COUNTED = ("queued", "running", "done", "failed", "cancelled")
+
+
+def counts(conn: Any, lane: str) -> dict[str, int]:
+    """lane_status's counts of the lane."""
+    row = next(r for r in pglane.lane_status(conn) if r["lane"] == lane)
+    return {k: row[k] for k in COUNTED}
+
+
+def truth(conn: Any, lane: str) -> dict[str, int]:
+    """The same counts, read from the whole history."""
+    rows = conn.execute("SELECT status, count(*) AS n FROM pglane.jobs WHERE lane = %s GROUP BY status",
+                        (lane,)).fetchall()
+    found = {r["status"]: r["n"] for r in rows}
+    return {k: found.get(k, 0) for k in COUNTED}
+
+
+def test_lane_status_counts_stay_exact_through_claims_failures_cancels_retries_and_prunes(
+    conn: Any, session: Any
+) -> None:
+    pglane.create_lane(conn, "counted", job_timeout=20, max_attempts=2, retry_backoff=0)
+    pglane.create_lane(conn, "beside", job_timeout=20)
+    deep_queue(conn, "counted", 300, 20)
+    deep_queue(conn, "beside", 40, 0)
+    worker = session()
+    take_slot(worker, "counted")
+    assert counts(conn, "counted") == truth(conn, "counted") == {
+        "queued": 320, "running": 0, "done": 0, "failed": 0, "cancelled": 0}
+
+    def check() -> None:
+        assert counts(conn, "counted") == truth(conn, "counted")
+        assert counts(conn, "beside") == truth(conn, "beside")
+
+    def fail(row: dict[str, Any]) -> None:
+        assert worker.execute(queries.FAIL, (row["attempt_id"], "boom", False, row["token"])).fetchone()["fail"]
+
+    done = []
+    row = claim(worker, "counted")
+    for n in range(120):  # the worker's path (complete_and_claim), and plain claim and fail
+        assert row is not None
+        if n % 10 == 9:
+            fail(row)  # back in the queue, at its head: it has one more attempt
+            row = claim(worker, "counted")
+        else:
+            done.append(row["job_id"])
+            row = worker.execute(queries.COMPLETE_AND_CLAIM, (row["attempt_id"], "null", "counted", "test",
+                                                              row["token"])).fetchone()
+            assert row is not None and row["completed"]
+    running = row
+    assert running is not None and counts(conn, "counted")["running"] == 1
+    check()
+    for _ in range(30):  # two failures each: the second fails the job
+        row = claim(worker, "counted")
+        assert row is not None
+        fail(row)
+        check()
+    assert truth(conn, "counted")["failed"] == 15
+    failed = [r["id"] for r in conn.execute("SELECT id FROM pglane.jobs WHERE lane = 'counted' AND status = 'failed'"
+                                            " ORDER BY id").fetchall()]
+    queued = [r["id"] for r in conn.execute("SELECT id FROM pglane.jobs WHERE lane = 'counted' AND status = 'queued'"
+                                            " ORDER BY id LIMIT 25").fetchall()]
+    for job in queued:
+        assert pglane.cancel(conn, job)
+    check()
+    assert counts(conn, "counted")["cancelled"] == 25 and counts(conn, "counted")["failed"] == len(failed) > 0
+    for job in (*failed[:3], *queued[:4]):  # retry: failed and cancelled jobs back in the queue
+        assert pglane.retry(conn, job)
+    check()
+    assert worker.execute(queries.COMPLETE, (running["attempt_id"], "null", running["token"])).fetchone()["complete"]
+    check()
+    # Prunes, plain and in batches (finished long ago, so that they are old enough to go).
+    conn.execute("UPDATE pglane.jobs SET finished_at = finished_at - interval '2 hours' WHERE id = ANY(%s)",
+                 (done[:60],))
+    assert pglane.prune(conn, 3600) == 60
+    check()
+    conn.execute("UPDATE pglane.jobs SET finished_at = now() - interval '2 hours' WHERE finished_at IS NOT NULL")
+    pruned = pglane.prune(conn, 3600, batch=17, include_failed=True)
+    assert pruned > 0
+    check()
+    assert {k: v for k, v in counts(conn, "counted").items() if k in ("done", "failed", "cancelled")} == {
+        "done": 0, "failed": 0, "cancelled": 0}
+    # A rolled back insert counts nothing; a TRUNCATE counts everything away.
+    with pytest.raises(psycopg.errors.RaiseException), conn.transaction():
+        deep_queue(conn, "counted", 50, 0)
+        conn.execute("DO $$ BEGIN RAISE EXCEPTION 'changed my mind'; END $$")
+    check()
+    conn.execute("TRUNCATE pglane.attempts, pglane.jobs")
+    check()
+    deep_queue(conn, "counted", 5, 0)
+    check()
+
+
+def test_producers_in_open_transactions_do_not_wait_on_each_other_for_the_counts(conn: Any, lane: str, dsn: str
+                                                                               ) -> None:
+    deep_queue(conn, lane, 10, 0)
+    with pglane.connect(dsn) as first, pglane.connect(dsn) as second:
+        for c in (first, second):
+            c.execute("SET lock_timeout = '2s'")  # waiting would fail the test, not hang it
+        with first.transaction():
+            pglane.enqueue(first, lane, {"a": 1})
+            with second.transaction():
+                pglane.enqueue(second, lane, {"b": 1})
+                deep_queue(second, lane, 3, 0)
+            with pytest.raises(psycopg.errors.RaiseException), second.transaction():
+                pglane.enqueue(second, lane, {"c": 1})
+                second.execute("DO $$ BEGIN RAISE EXCEPTION 'rolled back'; END $$")
+            assert counts(conn, lane)["queued"] == truth(conn, lane)["queued"] == 14  # first's not yet committed
+    assert counts(conn, lane) == truth(conn, lane) and truth(conn, lane)["queued"] == 15
+
+
+def test_many_changes_in_one_statement_cost_each_the_same_and_fold(conn: Any, lane: str) -> None:
+    deep_queue(conn, lane, 3000, 0)
+    started = time.monotonic()
+    conn.execute("UPDATE pglane.jobs SET status = 'cancelled', finished_at = now() WHERE id <= 2000")
+    assert time.monotonic() - started < 10  # one row at a time, never the statement's rows so far
+    conn.execute("UPDATE pglane.jobs SET status = 'queued', finished_at = NULL WHERE id <= 500")
+    conn.execute("DELETE FROM pglane.jobs WHERE id > 2900")
+    assert counts(conn, lane) == truth(conn, lane) == {"queued": 1400, "running": 0, "done": 0, "failed": 0,
+                                                       "cancelled": 1500}
+    deep_queue(conn, lane, 1, 0)  # the next transaction that folds folds them all (one in 64 do)
+    for _ in range(64):
+        pglane.enqueue(conn, lane, {})
+    rows = conn.execute("SELECT count(*) AS n FROM pglane.lane_tallies").fetchone()["n"]
+    assert rows <= 64
+    assert counts(conn, lane) == truth(conn, lane)
+
+
+def test_rows_written_with_triggers_off_are_counted_again_by_recount_tallies(conn: Any, lane: str) -> None:
+    deep_queue(conn, lane, 7, 0)
+    conn.execute("SET session_replication_role = replica")  # a bulk load with triggers off, as bench does
+    conn.execute("INSERT INTO pglane.jobs (lane, payload, status, finished_at) SELECT %s, '{}', 'done', now()"
+                 " FROM generate_series(1, 40)", (lane,))
+    conn.execute("RESET session_replication_role")
+    assert counts(conn, lane) != truth(conn, lane)
+    assert conn.execute("SELECT pglane.recount_tallies() AS n").fetchone()["n"] == 1
+    assert counts(conn, lane) == truth(conn, lane) == {"queued": 7, "running": 0, "done": 40, "failed": 0,
+                                                       "cancelled": 0}
+
+
+def test_a_growing_backlog_is_told_from_the_last_five_minutes_alone(conn: Any, session: Any, lane: str) -> None:
+    worker = session()
+    take_slot(worker, lane)
+    # An hour-old history of 200 finished jobs does not count; 30 finished now, 40 arrived now.
+    deep_queue(conn, lane, 230, 0)
+    for _ in range(230):
+        row = claim(worker, lane)
+        assert row is not None
+        worker.execute(queries.COMPLETE, (row["attempt_id"], "null", row["token"]))
+    conn.execute("UPDATE pglane.jobs SET created_at = now() - interval '1 hour',"
+                 " finished_at = now() - interval '1 hour'"
+                 " WHERE id IN (SELECT id FROM pglane.jobs ORDER BY id LIMIT 200)")
+    conn.execute("UPDATE pglane.attempts SET finished_at = now() - interval '1 hour'"
+                 " WHERE job_id IN (SELECT id FROM pglane.jobs ORDER BY id LIMIT 200)")
+    conn.execute("UPDATE pglane.jobs SET created_at = now() - interval '1 hour' WHERE id IN"
+                 " (SELECT id FROM pglane.jobs ORDER BY id OFFSET 200)")  # arrived earlier, finished now
+    deep_queue(conn, lane, 40, 0)
+    conn.execute("UPDATE pglane.jobs SET created_at = now() - interval '1 minute', run_after = now() - interval"
+                 " '1 minute' WHERE status = 'queued'")
+    flow = conn.execute("SELECT * FROM pglane.lane_flow(%s)", (lane,)).fetchone()
+    assert (flow["arrived_5m"], flow["finished_5m"]) == (40, 30)
+    assert counts(conn, lane) == truth(conn, lane)
+    row = next(r for r in pglane.lane_status(conn) if r["lane"] == lane)
+    assert row["next_safe_action"].startswith("backlog of lane brain is growing (40 queued, 40 arrived and 30 finished")
+    queued = conn.execute("SELECT id FROM pglane.jobs WHERE status = 'queued' LIMIT 15").fetchall()
+    cancelled = [r["id"] for r in queued]
+    for job in cancelled:  # cancelled jobs have finished too
+        pglane.cancel(conn, job)
+    flow = conn.execute("SELECT * FROM pglane.lane_flow(%s)", (lane,)).fetchone()
+    assert (flow["arrived_5m"], flow["finished_5m"]) == (40, 45)
+    assert next(r for r in pglane.lane_status(conn) if r["lane"] == lane)["next_safe_action"] == "nothing to do"
