@@ -46,9 +46,20 @@ DECLARE
     v_window  bigint;           -- a rate-limited lane's: the cost started in the window ending at v_at
     v_last_seq bigint;
     v_expired bigint := 0;
+    v_look    record;           -- the lane, and a rate-limited lane's look (below), read in one statement
     r         pglane.claimed;
 BEGIN
-    SELECT * INTO v_lane FROM pglane.lanes l WHERE l.name = p_lane;
+    SELECT l AS lane,
+           CASE WHEN l.rate_limit IS NOT NULL THEN
+               (SELECT c.window_cost FROM pglane.lane_counters c WHERE c.lane_id = l.id) END AS window_cost,
+           CASE WHEN l.rate_limit IS NOT NULL THEN
+               (SELECT c.last_seq FROM pglane.lane_counters c WHERE c.lane_id = l.id) END AS last_seq,
+           CASE WHEN l.rate_limit IS NOT NULL THEN
+               (SELECT j.cost FROM pglane.jobs j
+                 WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()
+                 ORDER BY j.created_at, j.id LIMIT 1) END AS head_cost
+      INTO v_look FROM pglane.lanes l WHERE l.name = p_lane;
+    v_lane := v_look.lane;
     IF NOT FOUND THEN
         RAISE EXCEPTION USING ERRCODE = 'PGL01', MESSAGE = format('unknown lane %L', p_lane),
             HINT = 'create it first: pglane lane create NAME';
@@ -97,19 +108,17 @@ BEGIN
 
     -- A rate-limited lane: a start of the head job's cost must fit the window ending now (exact: under
     -- the counters row lock, which every claim of the lane takes, on the database clock read after
-    -- it). Looked at first without the lock: what that sees can only be less than the committed use
-    -- (starts it misses only add to it), so a refusal there is right, and writes nothing, not even
-    -- a row lock. The look is one statement; the window's expired starts are summed only when the
-    -- counter alone leaves no room (window_cost includes them: it can only overstate the use).
-    -- With no room, nothing is claimed; wait_seconds says when this slot's turn comes.
+    -- it). Looked at first without the lock, in the statement that read the lane (no statement of
+    -- its own): what that sees can only be less than the committed use (starts it misses only add to
+    -- it), so a refusal there is right, and writes nothing, not even a row lock. The window's expired
+    -- starts are summed only when the counter alone leaves no room (window_cost includes them: it can
+    -- only overstate the use). With no room, nothing is claimed; wait_seconds says when this slot's
+    -- turn comes.
     IF v_lane.rate_limit IS NOT NULL THEN
-        SELECT h.cost, c.last_seq, c.window_cost INTO v_cost, v_last_seq, v_window
-          FROM pglane.lane_counters c
-          JOIN LATERAL (SELECT j.cost FROM pglane.jobs j
-                         WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()
-                         ORDER BY j.created_at, j.id LIMIT 1) h ON true
-         WHERE c.lane_id = v_lane.id;
-        IF NOT FOUND THEN
+        v_cost := v_look.head_cost;
+        v_window := v_look.window_cost;
+        v_last_seq := v_look.last_seq;
+        IF v_cost IS NULL THEN  -- nothing eligible
             RETURN r;
         END IF;
         v_at := clock_timestamp();
@@ -126,13 +135,15 @@ BEGIN
         -- no room for this start and one more like it, and at every 32nd start: one DELETE for many,
         -- and the table stays as small as the window plus 32 starts. Until then the counter
         -- overstates the use, never understates it; whenever the answer depends on it, it is exact.
+        -- The counters row is locked before the job is looked for (the job's subquery refers to it, so
+        -- it runs inside the join, once the lock is ours): a job locked by a claim that is refused
+        -- after all is never skipped for the one behind it, so the lane starts in service order.
         SELECT c.last_seq, c.window_cost, h.id, h.cost INTO v_last_seq, v_window, r.job_id, v_cost
-          FROM pglane.lane_counters c
+          FROM (SELECT c.lane_id, c.last_seq, c.window_cost FROM pglane.lane_counters c
+                 WHERE c.lane_id = v_lane.id FOR UPDATE) c
           LEFT JOIN LATERAL (SELECT j.id, j.cost FROM pglane.jobs j
-                              WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()
-                              ORDER BY j.created_at, j.id LIMIT 1 FOR UPDATE SKIP LOCKED) h ON true
-         WHERE c.lane_id = v_lane.id
-           FOR UPDATE OF c;
+                              WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now() AND c.last_seq >= 0
+                              ORDER BY j.created_at, j.id LIMIT 1 FOR UPDATE SKIP LOCKED) h ON true;
         v_at := clock_timestamp();  -- read once the lock is ours: no start can commit before it now
         IF v_window + 2 * coalesce(v_cost, 0) > v_lane.rate_limit OR v_last_seq % 32 = 31 THEN
             WITH gone AS (DELETE FROM pglane.lane_starts s
