@@ -1,0 +1,307 @@
+"""``python -m bench.scale [--dsn DSN] [--queued N] [--finished N] [--rounds N] [--before REV] [--json FILE]``
+
+The operator's surface at scale (#19, points 1 and 2), in server time (EXPLAIN ANALYZE's execution
+time: what the query costs the server, without the transfer to the client):
+
+- listing: ``pglane jobs --status queued`` (pglane.queries.JOBS) over a queue of 10,000 and of
+  ``--queued`` (default 100,000) jobs, 50 rows and all of them; one job's position (job_status
+  WHERE job_id = the last queued job);
+- lane_status with ``--finished`` (default 1,000,000) finished jobs behind a queue of 1,000 whose
+  head waits past the grace with a slot held (so that every branch of its advice is read, the last
+  5 minutes' flow included);
+- claim/complete: the worker's path (complete_and_claim on one slot, durable commits) with and
+  without what lane_status's counts add to it (the jobs_tally_* triggers and the attempts_finished
+  index), in interleaved rounds on the same database: jobs/s of each and their ratio.
+
+``--before REV`` (default: the commit before #19's listing work) also measures the views of that
+revision (read with ``git show REV:sql/views.sql``, created in schema bench_before over the same
+tables) for the before/after figures; ``--before ''`` skips them. With no --dsn (and no PGLANE_DSN)
+a throwaway embedded PostgreSQL runs it. Everything happens in database bench_scale, dropped first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg.rows import dict_row
+
+from pglane import client, queries, schema
+
+from .pglane_runs import load_finished
+from .server import with_db
+
+ROOT = Path(__file__).resolve().parent.parent
+BEFORE = "9dca339"  # the last commit before #19's listing and lane_status work
+# pglane jobs's statement at BEFORE, over the view named {view} (positions from job_status, per row).
+JOBS_BEFORE = (
+    "SELECT * FROM {view}"
+    " WHERE (%(lane)s::text IS NULL OR lane = %(lane)s) AND (%(status)s::text IS NULL OR status = %(status)s)"
+    " ORDER BY status <> 'queued', (status = 'queued' AND run_after > now()),"
+    " CASE WHEN status = 'queued' AND run_after > now() THEN run_after END,"
+    " CASE WHEN status = 'queued' THEN created_at END, CASE WHEN status = 'queued' THEN job_id END,"
+    " job_id DESC LIMIT %(limit)s"
+)
+# What lane_status's counts add to the claim/complete path, to take away and put back between rounds.
+TALLY_TRIGGERS = ("jobs_tally_insert", "jobs_tally_delete", "jobs_tally_change", "jobs_tally_truncate")
+
+
+@contextlib.contextmanager
+def database(dsn: str | None) -> Iterator[str]:
+    """The DSN of a fresh database bench_scale on the given server, or on a throwaway embedded one."""
+    if dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("DROP DATABASE IF EXISTS bench_scale WITH (FORCE)")
+            conn.execute("CREATE DATABASE bench_scale")
+        yield with_db(dsn, "bench_scale")
+        return
+    from pglane.embedded import embedded_server
+
+    with embedded_server(fsync=True) as embedded, psycopg.connect(embedded.dsn, autocommit=True) as conn:
+        conn.execute("CREATE DATABASE bench_scale")
+        yield with_db(embedded.dsn, "bench_scale")
+
+
+def first(row: dict[str, Any] | None) -> dict[str, Any]:
+    assert row is not None
+    return row
+
+
+def server_ms(conn: psycopg.Connection[Any], query: str, params: Any = None) -> float:
+    """The query's execution time on the server, in ms (EXPLAIN ANALYZE, without per-node timing)."""
+    plan = conn.execute(sql.SQL("EXPLAIN (ANALYZE, TIMING OFF, FORMAT JSON) ") + sql.SQL(query),
+                        params).fetchone()
+    assert plan is not None
+    doc = plan[0] if isinstance(plan, tuple) else next(iter(plan.values()))
+    return float(doc[0]["Execution Time"])
+
+
+def timed(conn: psycopg.Connection[Any], query: str, params: Any = None, runs: int = 5) -> dict[str, float]:
+    """Median and best of ``runs`` executions (after one warm-up), in ms."""
+    server_ms(conn, query, params)
+    samples = [server_ms(conn, query, params) for _ in range(runs)]
+    return {"median_ms": round(statistics.median(samples), 2), "best_ms": round(min(samples), 2)}
+
+
+def install_before(conn: psycopg.Connection[Any], rev: str) -> bool:
+    """Create rev's lane_status and job_status in schema bench_before; False if git cannot show them."""
+    try:
+        text = subprocess.run(["git", "show", f"{rev}:sql/views.sql"], cwd=ROOT, check=True, capture_output=True,
+                              text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return False
+    conn.execute("DROP SCHEMA IF EXISTS bench_before CASCADE")
+    conn.execute("CREATE SCHEMA bench_before")
+    for name in ("lane_status", "job_status"):
+        found = re.search(rf"CREATE OR REPLACE VIEW pglane\.{name}\b.*?;\n", text, re.S)
+        assert found, f"no view {name} at {rev}"
+        conn.execute(found.group(0).replace(f"pglane.{name}", f"bench_before.{name}", 1))
+    return True
+
+
+def queue(conn: psycopg.Connection[Any], lane: str, n: int) -> None:
+    """n queued jobs, created a minute ago (past the grace), through the producers' INSERT path."""
+    conn.execute("INSERT INTO pglane.jobs (lane, payload) SELECT %s, jsonb_build_object('n', g)"
+                 " FROM generate_series(1, %s) g", (lane, n))
+    conn.execute("UPDATE pglane.jobs SET created_at = created_at - interval '1 minute',"
+                 " run_after = run_after - interval '1 minute' WHERE lane = %s AND in_queue", (lane,))
+    conn.execute("VACUUM ANALYZE pglane.jobs")
+
+
+def listing(conn: psycopg.Connection[Any], depth: int, before: bool, runs: int) -> dict[str, Any]:
+    lane = f"deep{depth}"
+    client.create_lane(conn, lane)
+    queue(conn, lane, depth)
+    out: dict[str, Any] = {"queued": depth}
+    for limit in (50, None):
+        params = {"lane": lane, "status": "queued", "limit": limit}
+        label = "all" if limit is None else str(limit)
+        out[f"after_{label}"] = timed(conn, queries.JOBS, params, runs)
+        if before and depth <= 10_000:  # the old way costs rows x depth: 100,000 deep, an hour and more
+            out[f"before_{label}"] = timed(conn, JOBS_BEFORE.format(view="bench_before.job_status"), params, 1)
+    last = conn.execute("SELECT max(id) FROM pglane.jobs WHERE lane = %s AND in_queue", (lane,)).fetchone()
+    assert last is not None
+    one = "SELECT * FROM {} WHERE job_id = %s"
+    out["one_job_after"] = timed(conn, one.format("pglane.job_status"), (last[0],), runs)
+    if before:  # one job's position: the same count of the queue index, before and after
+        out["one_job_before"] = timed(conn, one.format("bench_before.job_status"), (last[0],), runs)
+    conn.execute("DELETE FROM pglane.jobs WHERE lane = %s", (lane,))
+    return out
+
+
+def lane_status(conn: psycopg.Connection[Any], finished: int, before: bool, runs: int) -> dict[str, Any]:
+    client.create_lane(conn, "history")
+    out: dict[str, Any] = {"finished": finished}
+    t0 = time.monotonic()
+    load_finished(conn, "history", finished)  # triggers off: counted by recount_tallies() below
+    conn.execute("SELECT pglane.recount_tallies()")
+    queue(conn, "history", 1000)
+    conn.execute("VACUUM ANALYZE pglane.attempts")
+    out["load_s"] = round(time.monotonic() - t0, 1)
+    lane_id = conn.execute(queries.LANES, {"name": "history"}).fetchone()
+    assert lane_id is not None
+    conn.execute(queries.TRY_SLOT, (lane_id[0], 1))  # a worker holds the slot: the advice reads the flow
+    row = conn.execute("SELECT * FROM pglane.lane_status WHERE lane = 'history'").fetchone()
+    assert row is not None
+    out["row"] = {k: str(v) for k, v in zip([c.name for c in conn.execute(
+        "SELECT * FROM pglane.lane_status LIMIT 0").description or []], row, strict=False)
+        if k in ("queued", "running", "done", "failed", "cancelled", "next_safe_action")}
+    out["after"] = timed(conn, "SELECT * FROM pglane.lane_status", None, runs)
+    if before:
+        out["before"] = timed(conn, "SELECT * FROM bench_before.lane_status", None, runs)
+    conn.execute(queries.RELEASE_SLOT, (lane_id[0], 1))
+    return out
+
+
+def claim_complete(dsn: str, jobs: int, rounds: int, parts: str = "both") -> dict[str, Any]:
+    """The worker's path on one slot with and without the tally triggers and attempts_finished
+    (``parts``: both, or only the triggers or the index, to tell their shares apart)."""
+    with client.connect(dsn) as conn:
+        client.create_lane(conn, "cc")
+        lane_id = first(conn.execute(queries.LANES, {"name": "cc"}).fetchone())["id"]
+        conn.execute(queries.TRY_SLOT, (lane_id, 1))
+        conn.execute(queries.SLOT_HINT, ("1",))
+
+        def toggle(on: bool) -> None:
+            for trigger in TALLY_TRIGGERS if parts in ("both", "triggers") else ():
+                conn.execute(sql.SQL("ALTER TABLE pglane.jobs {} TRIGGER {}").format(
+                    sql.SQL("ENABLE" if on else "DISABLE"), sql.Identifier(trigger)))
+            if parts == "triggers":
+                return
+            if on:
+                conn.execute("CREATE INDEX IF NOT EXISTS attempts_finished ON pglane.attempts (finished_at)"
+                             " WHERE finished_at IS NOT NULL")
+            else:
+                conn.execute("DROP INDEX IF EXISTS pglane.attempts_finished")
+
+        try:  # the server's own time per call, without the commit's flush: steadier than jobs/s
+            conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            statements = True
+        except psycopg.Error:
+            statements = False
+
+        pid = first(conn.execute("SELECT pg_backend_pid() AS pid").fetchone())["pid"]
+
+        def cpu_seconds() -> float | None:
+            """The backend's CPU time so far (user + system), if its /proc entry is readable here."""
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                return None
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+        def drain() -> tuple[float, float | None, float | None]:
+            # History stays (as it does in service): an emptied attempts table would leave the claim
+            # with the plans of an empty table, a trap (bench/README), not a measure.
+            conn.execute("INSERT INTO pglane.jobs (lane, payload) SELECT 'cc', '{}' FROM generate_series(1, %s)",
+                         (jobs,))
+            conn.execute("VACUUM ANALYZE pglane.jobs")
+            conn.execute("VACUUM ANALYZE pglane.attempts")
+            conn.execute("CHECKPOINT")  # no round pays for another's dirty pages
+            if statements:
+                conn.execute("SELECT pg_stat_statements_reset()")
+            row = first(conn.execute(queries.CLAIM_OR_WAIT, ("cc", "bench")).fetchone())
+            cpu0 = cpu_seconds()
+            t0 = time.perf_counter()
+            n = 0
+            while row["job_id"] is not None:
+                row = first(conn.execute(queries.COMPLETE_AND_CLAIM,
+                                         (row["attempt_id"], "null", "cc", "bench", row["token"])).fetchone())
+                n += 1
+            rate = n / (time.perf_counter() - t0)
+            cpu1 = cpu_seconds()
+            cpu = None if cpu0 is None or cpu1 is None else (cpu1 - cpu0) / n * 1e6
+            us = None
+            if statements:
+                found = conn.execute("SELECT mean_exec_time FROM pg_stat_statements"
+                                     " WHERE query LIKE '%%pglane.complete_and_claim%%' AND dbid ="
+                                     " (SELECT oid FROM pg_database WHERE datname = current_database())").fetchone()
+                us = None if found is None else found["mean_exec_time"] * 1000
+            return rate, us, cpu
+
+        drain()  # warm-up, and a history behind the queue
+        drain()
+        rates: dict[bool, list[float]] = {True: [], False: []}
+        server: dict[bool, list[float]] = {True: [], False: []}
+        cpu: dict[bool, list[float]] = {True: [], False: []}
+        for r in range(rounds):
+            for on in ((True, False) if r % 2 == 0 else (False, True)):
+                toggle(on)
+                rate, us, cpu_us = drain()
+                rates[on].append(rate)
+                if us is not None:
+                    server[on].append(us)
+                if cpu_us is not None:
+                    cpu[on].append(cpu_us)
+        toggle(True)
+    out: dict[str, Any] = {"jobs_per_round": jobs, "rounds": rounds, "parts": parts, "jobs_s": compare(rates)}
+    if len(server[True]) == len(server[False]) == rounds:  # pg_stat_statements: the calls' execution time
+        out["server_us_per_job"] = compare(server)
+    if len(cpu[True]) == len(cpu[False]) == rounds:  # the backend's CPU time (a server on this machine)
+        out["backend_cpu_us_per_job"] = compare(cpu)
+    return out
+
+
+def compare(values: dict[bool, list[float]]) -> dict[str, Any]:
+    """Interleaved rounds with (True) and without (False) the counts: each side, and the paired ratios."""
+    ratios = [w / b for w, b in zip(values[True], values[False], strict=True)]
+    return {"with_counts": [round(x, 1) for x in values[True]], "without": [round(x, 1) for x in values[False]],
+            "median_with": round(statistics.median(values[True]), 1),
+            "median_without": round(statistics.median(values[False]), 1),
+            "ratio_median": round(statistics.median(ratios), 4),
+            "ratio_range": [round(min(ratios), 4), round(max(ratios), 4)]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n\n")[0])
+    p.add_argument("--dsn", help="a server to run on (default: $PGLANE_DSN, else a throwaway embedded one)")
+    p.add_argument("--queued", type=int, default=100_000)
+    p.add_argument("--finished", type=int, default=1_000_000)
+    p.add_argument("--runs", type=int, default=5, help="timed runs per query (median reported)")
+    p.add_argument("--rounds", type=int, default=10, help="interleaved claim/complete rounds of each kind")
+    p.add_argument("--cc-jobs", type=int, default=3000, help="jobs per claim/complete round")
+    p.add_argument("--cc-parts", choices=("both", "triggers", "index"), default="both",
+                   help="what claim/complete rounds take away and put back (default both)")
+    p.add_argument("--before", default=BEFORE, help="revision whose views give the before figures ('': none)")
+    p.add_argument("--only", nargs="*", choices=("listing", "lane_status", "claim_complete"))
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+
+    only = set(args.only or ("listing", "lane_status", "claim_complete"))
+    results: dict[str, Any] = {}
+    with database(args.dsn or os.environ.get("PGLANE_DSN")) as dsn:
+        schema.upgrade(dsn)
+        with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
+            results["server"] = first(conn.execute("SELECT version()").fetchone())["version"]
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            before = bool(args.before) and install_before(conn, args.before)
+            if "listing" in only:
+                for depth in sorted({10_000, args.queued}):
+                    results[f"listing_{depth}"] = listing(conn, depth, before, args.runs)
+                    print(json.dumps({f"listing_{depth}": results[f"listing_{depth}"]}), flush=True)
+            if "lane_status" in only:
+                results["lane_status"] = lane_status(conn, args.finished, before, args.runs)
+                print(json.dumps({"lane_status": results["lane_status"]}), flush=True)
+            conn.execute("TRUNCATE pglane.attempts, pglane.jobs")
+        if "claim_complete" in only:
+            results["claim_complete"] = claim_complete(dsn, args.cc_jobs, args.rounds, args.cc_parts)
+            print(json.dumps({"claim_complete": results["claim_complete"]}), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
