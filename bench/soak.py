@@ -341,7 +341,7 @@ def plot(samples: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> 
          {**{n: [s["tables"].get(n, {}).get("bytes", 0) / 1024 for s in samples]
              for n in samples[-1]["tables"] if n not in HISTORY_TABLES},
           **{n: [s["indexes"].get(n, {}).get("bytes", 0) / 1024 for s in samples]
-             for n, i in samples[-1]["indexes"].items() if i["partial"]}}),
+             for n, i in samples[-1]["indexes"].items() if i["partial"] and n not in HISTORY_PARTIAL}}),
         ("dead tuples", {n: [s["tables"].get(n, {}).get("dead", 0) for s in samples] for n in samples[-1]["tables"]}),
         ("jobs/s per window; queued", {"jobs/s": [s["rate"] or float("nan") for s in samples],
                                        "queued": [s["queued"] for s in samples]}),
