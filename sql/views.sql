@@ -32,25 +32,23 @@ SELECT h.lane_id, h.lane, h.slot, h.pid, h.mode, h.granted, s.usename::text AS r
   FROM pglane.slot_holders h
   LEFT JOIN pg_catalog.pg_stat_activity s ON s.pid = h.pid;
 
--- lane_status's counts, independent of the history (#19): a lane's done, failed and cancelled jobs
--- are not counted from its history on every read but kept in pglane.lane_tallies, and that without
--- a write on the claim/complete path. A tally keeps, per lane, how many jobs the table holds (jobs),
--- how many are failed and how many cancelled; done is what is left of jobs once the queued and
--- running ones (read through the queue and running-attempt indexes: the backlog) and the failed and
--- cancelled ones are taken off. So the triggers below move a tally only when a job is inserted or
--- deleted, or enters or leaves failed or cancelled: claim (queued -> running), complete (running ->
--- done) and a retry's requeue (running -> queued) fire nothing but a trigger's WHEN test. Every
--- writer is counted, pglane's functions and plain SQL alike (a TRUNCATE empties the tallies); rows
--- written with triggers off (session_replication_role = replica) are not: pglane.recount_tallies()
--- counts everything again. A job made running by hand without a running attempt would read as done.
+-- lane_status's counts, independent of the history (#19), and not a write nor a trigger more on the
+-- claim/complete path: done is what is left of a lane's jobs once its queued and running ones (read
+-- through the queue and running-attempt indexes: the backlog) and its failed and cancelled ones are
+-- taken off. Failed and cancelled jobs are read through their own partial index (jobs_failed_or_cancelled,
+-- keyed on the generated column failed_or_cancelled, which claim and complete leave false: a
+-- completion stays a HOT update). How many jobs a lane holds is kept in pglane.lane_tallies by the
+-- statement triggers below: an INSERT or DELETE statement adds its count per lane (a TRUNCATE empties
+-- the tallies), so every writer is counted, pglane's functions and plain SQL alike; rows written with
+-- triggers off (session_replication_role = replica) are not: pglane.recount_tallies() counts again.
+-- A job made running by hand without a running attempt would read as done.
 --
 -- A tally change is a row of its own (a delta), inserted, never an update of a shared row: so
--- producers never wait on each other for it (a producer's open transaction locks nothing another needs),
--- and a statement that changes many jobs one row at a time costs each row the same. lane_status adds a
--- lane's rows up; every 64th delta folds the lane's rows into one (rows another fold holds are skipped;
--- at most one fold per transaction), so a lane keeps a few dozen rows, whatever its history, but for
--- the rows of one big statement until the next fold.
-CREATE OR REPLACE FUNCTION pglane.tally(p_lane text, p_jobs bigint, p_failed bigint, p_cancelled bigint) RETURNS void
+-- producers never wait on each other for it (a producer's open transaction locks nothing another
+-- needs). lane_status adds a lane's rows up; every 64th delta folds the lane's rows into one (rows
+-- another fold holds are skipped; at most one fold per transaction), so a lane keeps a few dozen rows,
+-- whatever its history.
+CREATE OR REPLACE FUNCTION pglane.tally(p_lane text, p_jobs bigint) RETURNS void
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pglane, pg_temp
 AS $$
@@ -59,8 +57,7 @@ DECLARE
     v_shard bigint := nextval('pglane.lane_tally_shards');
 BEGIN
     SELECT l.id INTO v_lane FROM pglane.lanes l WHERE l.name = p_lane;
-    INSERT INTO pglane.lane_tallies (lane_id, shard, jobs, failed, cancelled)
-    VALUES (v_lane, v_shard, p_jobs, p_failed, p_cancelled);
+    INSERT INTO pglane.lane_tallies (lane_id, shard, jobs) VALUES (v_lane, v_shard, p_jobs);
     -- At most once per transaction: rows this transaction deleted stay in the way of its later reads.
     IF v_shard % 64 = 0 AND current_setting('pglane.tallies_folded', true) IS DISTINCT FROM txid_current()::text THEN
         PERFORM pglane.fold_tallies(v_lane);
@@ -68,8 +65,7 @@ BEGIN
     END IF;
 END $$;
 
--- fold_tallies: replace lane p_lane_id's tally rows that no other transaction holds by their sum, and
--- let go of the cancels older than lane_flow()'s 5 minutes.
+-- fold_tallies: replace lane p_lane_id's tally rows that no other transaction holds by their sum.
 CREATE OR REPLACE FUNCTION pglane.fold_tallies(p_lane_id integer) RETURNS void
 LANGUAGE sql
 SET search_path = pg_catalog, pglane, pg_temp
@@ -79,12 +75,10 @@ AS $$
     ), gone AS (
         DELETE FROM pglane.lane_tallies t USING held h
          WHERE t.lane_id = p_lane_id AND t.shard = h.shard
-        RETURNING t.jobs, t.failed, t.cancelled
+        RETURNING t.jobs
     )
-    INSERT INTO pglane.lane_tallies (lane_id, shard, jobs, failed, cancelled)
-    SELECT p_lane_id, nextval('pglane.lane_tally_shards'), sum(g.jobs), sum(g.failed), sum(g.cancelled)
-      FROM gone g HAVING count(*) > 0;
-    DELETE FROM pglane.recent_cancels c WHERE c.cancelled_at < now() - interval '5 minutes';
+    INSERT INTO pglane.lane_tallies (lane_id, shard, jobs)
+    SELECT p_lane_id, nextval('pglane.lane_tally_shards'), sum(g.jobs) FROM gone g HAVING count(*) > 0;
 $$;
 
 -- jobs_tally_insert, jobs_tally_delete: once per statement, per lane touched.
@@ -93,10 +87,7 @@ LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
 AS $$
 BEGIN
-    PERFORM pglane.tally(n.lane, n.jobs, n.failed, n.cancelled)
-       FROM (SELECT j.lane, count(*) AS jobs, count(*) FILTER (WHERE j.status = 'failed') AS failed,
-                    count(*) FILTER (WHERE j.status = 'cancelled') AS cancelled
-               FROM new_jobs j GROUP BY j.lane) n;
+    PERFORM pglane.tally(n.lane, n.jobs) FROM (SELECT j.lane, count(*) AS jobs FROM new_jobs j GROUP BY j.lane) n;
     RETURN NULL;
 END $$;
 
@@ -105,30 +96,7 @@ LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
 AS $$
 BEGIN
-    PERFORM pglane.tally(o.lane, -o.jobs, -o.failed, -o.cancelled)
-       FROM (SELECT j.lane, count(*) AS jobs, count(*) FILTER (WHERE j.status = 'failed') AS failed,
-                    count(*) FILTER (WHERE j.status = 'cancelled') AS cancelled
-               FROM old_jobs j GROUP BY j.lane) o;
-    RETURN NULL;
-END $$;
-
--- jobs_tally_change: a job entered or left failed or cancelled (or moved to another lane). A job that
--- becomes cancelled is also noted in recent_cancels, for lane_flow() (a fold lets go of older ones).
-CREATE OR REPLACE FUNCTION pglane.jobs_tally_change() RETURNS trigger
-LANGUAGE plpgsql SECURITY DEFINER
-SET search_path = pg_catalog, pglane, pg_temp
-AS $$
-BEGIN
-    IF OLD.lane = NEW.lane THEN
-        PERFORM pglane.tally(NEW.lane, 0, (NEW.status = 'failed')::integer - (OLD.status = 'failed')::integer,
-                             (NEW.status = 'cancelled')::integer - (OLD.status = 'cancelled')::integer);
-    ELSE
-        PERFORM pglane.tally(OLD.lane, -1, -(OLD.status = 'failed')::integer, -(OLD.status = 'cancelled')::integer);
-        PERFORM pglane.tally(NEW.lane, 1, (NEW.status = 'failed')::integer, (NEW.status = 'cancelled')::integer);
-    END IF;
-    IF NEW.status = 'cancelled' AND OLD.status IS DISTINCT FROM 'cancelled' THEN
-        INSERT INTO pglane.recent_cancels (job_id, cancelled_at) VALUES (NEW.id, now());
-    END IF;
+    PERFORM pglane.tally(o.lane, -o.jobs) FROM (SELECT j.lane, count(*) AS jobs FROM old_jobs j GROUP BY j.lane) o;
     RETURN NULL;
 END $$;
 
@@ -138,7 +106,6 @@ SET search_path = pg_catalog, pglane, pg_temp
 AS $$
 BEGIN
     DELETE FROM pglane.lane_tallies;
-    DELETE FROM pglane.recent_cancels;
     RETURN NULL;
 END $$;
 
@@ -150,13 +117,6 @@ DROP TRIGGER IF EXISTS jobs_tally_delete ON pglane.jobs;
 CREATE TRIGGER jobs_tally_delete AFTER DELETE ON pglane.jobs
     REFERENCING OLD TABLE AS old_jobs
     FOR EACH STATEMENT EXECUTE FUNCTION pglane.jobs_tally_delete();
-DROP TRIGGER IF EXISTS jobs_tally_change ON pglane.jobs;
-CREATE TRIGGER jobs_tally_change AFTER UPDATE ON pglane.jobs
-    FOR EACH ROW
-    WHEN (OLD.lane IS DISTINCT FROM NEW.lane
-          OR (OLD.status IS DISTINCT FROM NEW.status
-              AND (OLD.status IN ('failed', 'cancelled') OR NEW.status IN ('failed', 'cancelled'))))
-    EXECUTE FUNCTION pglane.jobs_tally_change();
 DROP TRIGGER IF EXISTS jobs_tally_truncate ON pglane.jobs;
 CREATE TRIGGER jobs_tally_truncate AFTER TRUNCATE ON pglane.jobs
     FOR EACH STATEMENT EXECUTE FUNCTION pglane.jobs_tally_truncate();
@@ -172,10 +132,8 @@ DECLARE
 BEGIN
     LOCK TABLE pglane.jobs IN SHARE MODE;
     DELETE FROM pglane.lane_tallies;
-    INSERT INTO pglane.lane_tallies (lane_id, shard, jobs, failed, cancelled)
-    SELECT l.id, 0, count(*), count(*) FILTER (WHERE j.status = 'failed'), count(*) FILTER (WHERE j.status = 'cancelled')
-      FROM pglane.jobs j JOIN pglane.lanes l ON l.name = j.lane
-     GROUP BY l.id;
+    INSERT INTO pglane.lane_tallies (lane_id, shard, jobs)
+    SELECT l.id, 0, count(*) FROM pglane.jobs j JOIN pglane.lanes l ON l.name = j.lane GROUP BY l.id;
     GET DIAGNOSTICS v_lanes = ROW_COUNT;
     RETURN v_lanes;
 END $$;
@@ -184,7 +142,8 @@ END $$;
 -- without reading older history: the queued ones through the queue index, the running ones through
 -- their running attempts, the done and failed ones through the attempt that finished them (the
 -- attempts_finished index: a done or failed job's latest attempt finished in the same transaction as
--- the job), the cancelled ones through recent_cancels. Its cost follows the last 5 minutes' traffic;
+-- the job), the cancelled ones through jobs_failed_or_cancelled. Its cost follows the last 5 minutes'
+-- traffic (and the lane's failed and cancelled jobs);
 -- lane_status asks for it only when it may advise on a growing backlog.
 CREATE OR REPLACE FUNCTION pglane.lane_flow(p_lane text, OUT arrived_5m bigint, OUT finished_5m bigint)
 LANGUAGE sql STABLE SECURITY DEFINER
@@ -196,11 +155,9 @@ AS $$
          WHERE a.finished_at > now() - interval '5 minutes' AND j.lane = p_lane
            AND j.status IN ('done', 'failed') AND j.finished_at > now() - interval '5 minutes'
         UNION ALL
-        SELECT j.created_at
-          FROM (SELECT DISTINCT c.job_id FROM pglane.recent_cancels c
-                 WHERE c.cancelled_at > now() - interval '5 minutes') c
-          JOIN pglane.jobs j ON j.id = c.job_id
-         WHERE j.lane = p_lane AND j.status = 'cancelled' AND j.finished_at > now() - interval '5 minutes'
+        SELECT j.created_at FROM pglane.jobs j
+         WHERE j.lane = p_lane AND j.failed_or_cancelled AND j.status = 'cancelled'
+           AND j.finished_at > now() - interval '5 minutes'
     )
     SELECT (SELECT count(*) FROM pglane.jobs j
              WHERE j.lane = p_lane AND j.in_queue AND j.created_at > now() - interval '5 minutes')
@@ -212,9 +169,10 @@ AS $$
 $$;
 
 -- lane_status: every count of a lane without reading its history: queued and eligible through the
--- queue index, running through the running attempts, done, failed and cancelled from the tallies
--- (above), the last 5 minutes' flow (lane_flow) only for a lane whose eligible jobs wait past the
--- grace. It costs the lanes, the backlog and the running attempts.
+-- queue index, running through the running attempts, failed and cancelled through their partial
+-- index, done from the tallies (above), the last 5 minutes' flow (lane_flow) only for a lane whose
+-- eligible jobs wait past the grace. It costs the lanes, the backlog, the running attempts and the
+-- failed and cancelled jobs (which a prune --include-failed bounds), never the done ones.
 CREATE OR REPLACE VIEW pglane.lane_status AS
 WITH queue AS (
     SELECT j.lane,
@@ -230,11 +188,14 @@ WITH queue AS (
       FROM pglane.attempts a JOIN pglane.jobs j ON j.id = a.job_id
      WHERE a.status = 'running' AND j.status = 'running'
      GROUP BY j.lane
+), settled AS (
+    SELECT j.lane, count(*) FILTER (WHERE j.status = 'failed') AS failed,
+           count(*) FILTER (WHERE j.status = 'cancelled') AS cancelled
+      FROM pglane.jobs j
+     WHERE j.failed_or_cancelled
+     GROUP BY j.lane
 ), tallies AS (
-    SELECT t.lane_id, sum(t.jobs)::bigint AS jobs, sum(t.failed)::bigint AS failed,
-           sum(t.cancelled)::bigint AS cancelled
-      FROM pglane.lane_tallies t
-     GROUP BY t.lane_id
+    SELECT t.lane_id, sum(t.jobs)::bigint AS jobs FROM pglane.lane_tallies t GROUP BY t.lane_id
 ), attempts_now AS (
     SELECT ra.lane, count(*) FILTER (WHERE NOT ra.alive) AS orphaned,
            count(*) FILTER (WHERE ra.alive AND ra.past_lease) AS stuck
@@ -259,9 +220,9 @@ WITH queue AS (
     SELECT l.name AS lane, l.id AS lane_id, l.slots, pglane.lane_consumers(l.id, l.slots) AS consumers,
            coalesce(q.queued, 0) AS queued, coalesce(q.eligible, 0) AS eligible,
            coalesce(r.running, 0) AS running,
-           coalesce(t.jobs, 0) - coalesce(q.queued, 0) - coalesce(r.running, 0) - coalesce(t.failed, 0)
-               - coalesce(t.cancelled, 0) AS done,
-           coalesce(t.failed, 0) AS failed, coalesce(t.cancelled, 0) AS cancelled,
+           coalesce(t.jobs, 0) - coalesce(q.queued, 0) - coalesce(r.running, 0) - coalesce(st.failed, 0)
+               - coalesce(st.cancelled, 0) AS done,
+           coalesce(st.failed, 0) AS failed, coalesce(st.cancelled, 0) AS cancelled,
            now() - q.oldest_queued AS oldest_queued_age,
            now() - q.oldest_eligible AS oldest_eligible_age,
            CASE WHEN q.eligible > 0 AND now() - q.oldest_eligible > l.waiting_grace
@@ -275,6 +236,7 @@ WITH queue AS (
       FROM pglane.lanes l
       LEFT JOIN queue q ON q.lane = l.name
       LEFT JOIN running r ON r.lane = l.name
+      LEFT JOIN settled st ON st.lane = l.name
       LEFT JOIN tallies t ON t.lane_id = l.id
       LEFT JOIN attempts_now an ON an.lane = l.name
       LEFT JOIN holders h ON h.lane_id = l.id

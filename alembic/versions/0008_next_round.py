@@ -104,39 +104,33 @@ WAIT_UNDO_AFTER = ""
 # --- listings at scale (#19) -------------------------------------------------------------------------
 # queue_positions(): a listing's positions from one ordered pass of the queue; lanes_consumers(),
 # lanes_next_start(), lanes_in_flight(): job_status's lane facts, read once per statement.
-# lane_status without the history: lane_tallies (per lane, in delta rows: jobs, failed, cancelled; kept by
-# the jobs_tally_* triggers of views.sql, counted here once from the existing jobs), recent_cancels
-# (the last 5 minutes' cancels) and attempts_finished (the last 5 minutes' finishes) for lane_flow().
-# Functions and tables are dropped after 0007's text is back (0007's views do not use them;
-# RATE_UNDO_BEFORE drops 0008's views); the triggers, before it.
+# lane_status without the history: lane_tallies (per lane, in delta rows: the jobs the table holds;
+# kept by the jobs_tally_* statement triggers of views.sql, counted here once), jobs.failed_or_cancelled
+# and its partial index (the failed and cancelled jobs, claim and complete leave it false), and
+# attempts_finished (the last 5 minutes' finishes, for lane_flow()). Functions, the table and the
+# column go after 0007's text is back (0007's views do not use them; RATE_UNDO_BEFORE drops 0008's
+# views); the triggers, before it.
 SCALE_FUNCTIONS = ("pglane.queue_positions(text), pglane.lanes_consumers(), pglane.lanes_next_start(),"
                    " pglane.lanes_in_flight()")
-SCALE_INTERNAL = ("pglane.tally(text, bigint, bigint, bigint), pglane.fold_tallies(integer),"
-                  " pglane.jobs_tally_insert(), pglane.jobs_tally_delete(),"
-                  " pglane.jobs_tally_change(), pglane.jobs_tally_truncate(), pglane.recount_tallies(),"
+SCALE_INTERNAL = ("pglane.tally(text, bigint), pglane.fold_tallies(integer), pglane.jobs_tally_insert(),"
+                  " pglane.jobs_tally_delete(), pglane.jobs_tally_truncate(), pglane.recount_tallies(),"
                   " pglane.lane_flow(text)")
 SCALE_BEFORE = """
     CREATE TABLE pglane.lane_tallies (
-        lane_id   integer NOT NULL REFERENCES pglane.lanes (id) ON DELETE CASCADE,
-        shard     bigint  NOT NULL,
-        jobs      bigint  NOT NULL DEFAULT 0,
-        failed    bigint  NOT NULL DEFAULT 0,
-        cancelled bigint  NOT NULL DEFAULT 0,
+        lane_id integer NOT NULL REFERENCES pglane.lanes (id) ON DELETE CASCADE,
+        shard   bigint  NOT NULL,
+        jobs    bigint  NOT NULL,
         PRIMARY KEY (lane_id, shard)
     );
-    COMMENT ON TABLE pglane.lane_tallies IS
-        'per lane, summed over its rows: the jobs pglane.jobs holds, and how many are failed and cancelled';
+    COMMENT ON TABLE pglane.lane_tallies IS 'per lane, summed over its rows: how many jobs pglane.jobs holds';
     CREATE SEQUENCE pglane.lane_tally_shards;
-    INSERT INTO pglane.lane_tallies (lane_id, shard, jobs, failed, cancelled)
-    SELECT l.id, 0, count(*), count(*) FILTER (WHERE j.status = 'failed'),
-           count(*) FILTER (WHERE j.status = 'cancelled')
-      FROM pglane.jobs j JOIN pglane.lanes l ON l.name = j.lane GROUP BY l.id;
-    CREATE TABLE pglane.recent_cancels (
-        job_id       bigint      NOT NULL,
-        cancelled_at timestamptz NOT NULL
-    );
-    COMMENT ON TABLE pglane.recent_cancels IS 'the jobs cancelled in the last 5 minutes (older rows are let go)';
-    CREATE INDEX recent_cancels_at ON pglane.recent_cancels (cancelled_at);
+    INSERT INTO pglane.lane_tallies (lane_id, shard, jobs)
+    SELECT l.id, 0, count(*) FROM pglane.jobs j JOIN pglane.lanes l ON l.name = j.lane GROUP BY l.id;
+    ALTER TABLE pglane.jobs ADD COLUMN failed_or_cancelled boolean
+        GENERATED ALWAYS AS (status IN ('failed', 'cancelled')) STORED;
+    COMMENT ON COLUMN pglane.jobs.failed_or_cancelled IS
+        'status is failed or cancelled, kept apart so that its index does not depend on status (as in_queue)';
+    CREATE INDEX jobs_failed_or_cancelled ON pglane.jobs (lane) WHERE failed_or_cancelled;
     CREATE INDEX attempts_finished ON pglane.attempts (finished_at) WHERE finished_at IS NOT NULL;
 """
 SCALE_AFTER = f"""
@@ -147,14 +141,14 @@ SCALE_AFTER = f"""
 SCALE_UNDO_BEFORE = """
     DROP TRIGGER jobs_tally_insert ON pglane.jobs;
     DROP TRIGGER jobs_tally_delete ON pglane.jobs;
-    DROP TRIGGER jobs_tally_change ON pglane.jobs;
     DROP TRIGGER jobs_tally_truncate ON pglane.jobs;
     DROP INDEX pglane.attempts_finished;
 """
 SCALE_UNDO_AFTER = f"""
     DROP FUNCTION {SCALE_FUNCTIONS}, {SCALE_INTERNAL};
-    DROP TABLE pglane.lane_tallies, pglane.recent_cancels;
+    DROP TABLE pglane.lane_tallies;
     DROP SEQUENCE pglane.lane_tally_shards;
+    ALTER TABLE pglane.jobs DROP COLUMN failed_or_cancelled;
 """
 
 SECTIONS = ((RATE_BEFORE, RATE_AFTER, RATE_UNDO_BEFORE, RATE_UNDO_AFTER),
