@@ -10,13 +10,16 @@ time: what the query costs the server, without the transfer to the client):
   head waits past the grace with a slot held (so that every branch of its advice is read, the last
   5 minutes' flow included);
 - claim/complete: the worker's path (complete_and_claim on one slot, durable commits) with and
-  without what lane_status's counts add to it (the jobs_tally_* triggers and the attempts_finished
-  index), in interleaved rounds on the same database: jobs/s of each and their ratio.
+  without what lane_status's counts add to the job tables (the jobs_tally_* statement triggers, the
+  failed_or_cancelled column and its index, attempts_finished): two databases of one server, the
+  second with those removed, in interleaved rounds: jobs/s, the calls' server time
+  (pg_stat_statements) and the backend's CPU per job (/proc), each side's median and their ratio.
 
 ``--before REV`` (default: the commit before #19's listing work) also measures the views of that
 revision (read with ``git show REV:sql/views.sql``, created in schema bench_before over the same
 tables) for the before/after figures; ``--before ''`` skips them. With no --dsn (and no PGLANE_DSN)
-a throwaway embedded PostgreSQL runs it. Everything happens in database bench_scale, dropped first.
+a throwaway embedded PostgreSQL runs it. Everything happens in databases bench_scale and
+bench_scale_without, dropped first.
 """
 
 from __future__ import annotations
@@ -54,8 +57,10 @@ JOBS_BEFORE = (
     " CASE WHEN status = 'queued' THEN created_at END, CASE WHEN status = 'queued' THEN job_id END,"
     " job_id DESC LIMIT %(limit)s"
 )
-# What lane_status's counts add to the claim/complete path, to take away and put back between rounds.
-TALLY_TRIGGERS = ("jobs_tally_insert", "jobs_tally_delete", "jobs_tally_change", "jobs_tally_truncate")
+# What lane_status's counts add to the job tables (bench_scale_without has none of it): statement
+# triggers (they do not fire on claim or complete), the generated column failed_or_cancelled with its
+# partial index, and attempts_finished.
+TALLY_TRIGGERS = ("jobs_tally_insert", "jobs_tally_delete", "jobs_tally_truncate")
 
 
 @contextlib.contextmanager
@@ -165,88 +170,96 @@ def lane_status(conn: psycopg.Connection[Any], finished: int, before: bool, runs
     return out
 
 
-def claim_complete(dsn: str, jobs: int, rounds: int, parts: str = "both") -> dict[str, Any]:
-    """The worker's path on one slot with and without the tally triggers and attempts_finished
-    (``parts``: both, or only the triggers or the index, to tell their shares apart)."""
-    with client.connect(dsn) as conn:
-        client.create_lane(conn, "cc")
-        lane_id = first(conn.execute(queries.LANES, {"name": "cc"}).fetchone())["id"]
-        conn.execute(queries.TRY_SLOT, (lane_id, 1))
-        conn.execute(queries.SLOT_HINT, ("1",))
+class Drainer:
+    """One slot of lane cc in one database: drains rounds of jobs through complete_and_claim."""
 
-        def toggle(on: bool) -> None:
-            for trigger in TALLY_TRIGGERS if parts in ("both", "triggers") else ():
-                conn.execute(sql.SQL("ALTER TABLE pglane.jobs {} TRIGGER {}").format(
-                    sql.SQL("ENABLE" if on else "DISABLE"), sql.Identifier(trigger)))
-            if parts == "triggers":
-                return
-            if on:
-                conn.execute("CREATE INDEX IF NOT EXISTS attempts_finished ON pglane.attempts (finished_at)"
-                             " WHERE finished_at IS NOT NULL")
-            else:
-                conn.execute("DROP INDEX IF EXISTS pglane.attempts_finished")
-
+    def __init__(self, dsn: str) -> None:
+        self.conn = client.connect(dsn)
+        client.create_lane(self.conn, "cc")
+        lane_id = first(self.conn.execute(queries.LANES, {"name": "cc"}).fetchone())["id"]
+        self.conn.execute(queries.TRY_SLOT, (lane_id, 1))
+        self.conn.execute(queries.SLOT_HINT, ("1",))
         try:  # the server's own time per call, without the commit's flush: steadier than jobs/s
-            conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-            statements = True
+            self.conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            self.statements = True
         except psycopg.Error:
-            statements = False
+            self.statements = False
+        self.pid = first(self.conn.execute("SELECT pg_backend_pid() AS pid").fetchone())["pid"]
 
-        pid = first(conn.execute("SELECT pg_backend_pid() AS pid").fetchone())["pid"]
+    def cpu_seconds(self) -> float | None:
+        """The backend's CPU time so far (user + system), if its /proc entry is readable here."""
+        try:
+            fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-        def cpu_seconds() -> float | None:
-            """The backend's CPU time so far (user + system), if its /proc entry is readable here."""
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                return None
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    def drain(self, jobs: int) -> tuple[float, float | None, float | None]:
+        """jobs/s, the calls' mean server time (us) and the backend's CPU per job (us) of one round.
+        History stays, as in service (an emptied attempts table would leave the claim with the plans
+        of an empty table: a trap, not a measure)."""
+        conn = self.conn
+        conn.execute("INSERT INTO pglane.jobs (lane, payload) SELECT 'cc', '{}' FROM generate_series(1, %s)", (jobs,))
+        conn.execute("VACUUM ANALYZE pglane.jobs")
+        conn.execute("VACUUM ANALYZE pglane.attempts")
+        conn.execute("CHECKPOINT")  # no round pays for another's dirty pages
+        if self.statements:
+            conn.execute("SELECT pg_stat_statements_reset()")
+        row = first(conn.execute(queries.CLAIM_OR_WAIT, ("cc", "bench")).fetchone())
+        cpu0 = self.cpu_seconds()
+        t0 = time.perf_counter()
+        n = 0
+        while row["job_id"] is not None:
+            row = first(conn.execute(queries.COMPLETE_AND_CLAIM,
+                                     (row["attempt_id"], "null", "cc", "bench", row["token"])).fetchone())
+            n += 1
+        rate = n / (time.perf_counter() - t0)
+        cpu1 = self.cpu_seconds()
+        cpu = None if cpu0 is None or cpu1 is None else (cpu1 - cpu0) / n * 1e6
+        us = None
+        if self.statements:
+            found = conn.execute("SELECT mean_exec_time FROM pg_stat_statements"
+                                 " WHERE query LIKE '%%pglane.complete_and_claim%%' AND dbid ="
+                                 " (SELECT oid FROM pg_database WHERE datname = current_database())").fetchone()
+            us = None if found is None else found["mean_exec_time"] * 1000
+        return rate, us, cpu
 
-        def drain() -> tuple[float, float | None, float | None]:
-            # History stays (as it does in service): an emptied attempts table would leave the claim
-            # with the plans of an empty table, a trap (bench/README), not a measure.
-            conn.execute("INSERT INTO pglane.jobs (lane, payload) SELECT 'cc', '{}' FROM generate_series(1, %s)",
-                         (jobs,))
-            conn.execute("VACUUM ANALYZE pglane.jobs")
-            conn.execute("VACUUM ANALYZE pglane.attempts")
-            conn.execute("CHECKPOINT")  # no round pays for another's dirty pages
-            if statements:
-                conn.execute("SELECT pg_stat_statements_reset()")
-            row = first(conn.execute(queries.CLAIM_OR_WAIT, ("cc", "bench")).fetchone())
-            cpu0 = cpu_seconds()
-            t0 = time.perf_counter()
-            n = 0
-            while row["job_id"] is not None:
-                row = first(conn.execute(queries.COMPLETE_AND_CLAIM,
-                                         (row["attempt_id"], "null", "cc", "bench", row["token"])).fetchone())
-                n += 1
-            rate = n / (time.perf_counter() - t0)
-            cpu1 = cpu_seconds()
-            cpu = None if cpu0 is None or cpu1 is None else (cpu1 - cpu0) / n * 1e6
-            us = None
-            if statements:
-                found = conn.execute("SELECT mean_exec_time FROM pg_stat_statements"
-                                     " WHERE query LIKE '%%pglane.complete_and_claim%%' AND dbid ="
-                                     " (SELECT oid FROM pg_database WHERE datname = current_database())").fetchone()
-                us = None if found is None else found["mean_exec_time"] * 1000
-            return rate, us, cpu
 
-        drain()  # warm-up, and a history behind the queue
-        drain()
+def claim_complete(dsn: str, jobs: int, rounds: int) -> dict[str, Any]:
+    """The worker's path on one slot, in two databases of one server that differ only by what
+    lane_status's counts add to the job tables: this one (head) and bench_scale_without (head with
+    the tally triggers, the failed_or_cancelled column and its index and attempts_finished removed),
+    in interleaved rounds, each database growing the same history."""
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute("DROP DATABASE IF EXISTS bench_scale_without WITH (FORCE)")
+        admin.execute("CREATE DATABASE bench_scale_without")
+    other = with_db(dsn, "bench_scale_without")
+    schema.upgrade(other)
+    with psycopg.connect(other, autocommit=True) as conn:
+        for trigger in TALLY_TRIGGERS:
+            conn.execute(sql.SQL("DROP TRIGGER {} ON pglane.jobs").format(sql.Identifier(trigger)))
+        conn.execute("DROP INDEX pglane.attempts_finished")
+        conn.execute("ALTER TABLE pglane.jobs DROP COLUMN failed_or_cancelled CASCADE")  # and lane_status
+    sides = {True: Drainer(dsn), False: Drainer(other)}
+    try:
+        for side in sides.values():  # warm-up, and a history behind the queue
+            side.drain(jobs)
+            side.drain(jobs)
         rates: dict[bool, list[float]] = {True: [], False: []}
         server: dict[bool, list[float]] = {True: [], False: []}
         cpu: dict[bool, list[float]] = {True: [], False: []}
         for r in range(rounds):
             for on in ((True, False) if r % 2 == 0 else (False, True)):
-                toggle(on)
-                rate, us, cpu_us = drain()
+                rate, us, cpu_us = sides[on].drain(jobs)
                 rates[on].append(rate)
                 if us is not None:
                     server[on].append(us)
                 if cpu_us is not None:
                     cpu[on].append(cpu_us)
-        toggle(True)
-    out: dict[str, Any] = {"jobs_per_round": jobs, "rounds": rounds, "parts": parts, "jobs_s": compare(rates)}
+    finally:
+        for side in sides.values():
+            side.conn.close()
+    out: dict[str, Any] = {"jobs_per_round": jobs, "rounds": rounds, "jobs_s": compare(rates)}
     if len(server[True]) == len(server[False]) == rounds:  # pg_stat_statements: the calls' execution time
         out["server_us_per_job"] = compare(server)
     if len(cpu[True]) == len(cpu[False]) == rounds:  # the backend's CPU time (a server on this machine)
@@ -272,8 +285,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=5, help="timed runs per query (median reported)")
     p.add_argument("--rounds", type=int, default=10, help="interleaved claim/complete rounds of each kind")
     p.add_argument("--cc-jobs", type=int, default=3000, help="jobs per claim/complete round")
-    p.add_argument("--cc-parts", choices=("both", "triggers", "index"), default="both",
-                   help="what claim/complete rounds take away and put back (default both)")
     p.add_argument("--before", default=BEFORE, help="revision whose views give the before figures ('': none)")
     p.add_argument("--only", nargs="*", choices=("listing", "lane_status", "claim_complete"))
     p.add_argument("--json", type=Path)
@@ -296,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps({"lane_status": results["lane_status"]}), flush=True)
             conn.execute("TRUNCATE pglane.attempts, pglane.jobs")
         if "claim_complete" in only:
-            results["claim_complete"] = claim_complete(dsn, args.cc_jobs, args.rounds, args.cc_parts)
+            results["claim_complete"] = claim_complete(dsn, args.cc_jobs, args.rounds)
             print(json.dumps({"claim_complete": results["claim_complete"]}), flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
