@@ -36,9 +36,8 @@ import pglane
 from pglane import schema
 
 from .pglane_runs import load_finished
-from .rates import drain
 from .stats import median_interval, verdict
-from .waiters import ROOT, database, insert_jobs
+from .waiters import ROOT, database, drain, insert_jobs
 
 CASES = ("unbounded", "full_skip", "full_error")
 BOUND = 1000

@@ -38,7 +38,7 @@ from pglane import queries, schema
 
 from .pglane_runs import claim_and_complete, lane_id, load_queued
 from .stats import latency_ms, median_interval, ratio_interval, verdict
-from .waiters import ROOT, database, insert_jobs
+from .waiters import ROOT, database, drain, insert_jobs
 
 GENEROUS = "1000000/min"
 LIMIT_PER_S = 30  # the achieved-rate case: 30 starts in any second, three slots
@@ -48,26 +48,6 @@ def _worker(dsn: str, lane: str, *args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "pglane", "worker", lane, "--handler", "bench.handlers:noop",
                              *args], env={**os.environ, "PGLANE_DSN": dsn}, cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-
-def drain(dsn: str, conn: psycopg.Connection[Any], lane: str, n: int) -> float:
-    """One worker drains the lane's n jobs: jobs per second, first start to last finish."""
-    proc = _worker(dsn, lane, "--max-jobs", str(n))
-    try:
-        _, err = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    if proc.returncode != 0:
-        raise SystemExit(f"the worker on {lane} exited {proc.returncode}: {err.decode(errors='replace')[-2000:]}")
-    row = conn.execute("SELECT count(*) FILTER (WHERE status = 'done') AS done,"
-                       " extract(epoch FROM max(finished_at) - min(started_at))::float8 AS seconds"
-                       " FROM pglane.jobs WHERE lane = %s", (lane,)).fetchone()
-    assert row is not None
-    if row["done"] != n:
-        raise SystemExit(f"{lane}: {row['done']} of {n} jobs done")
-    return float(n / row["seconds"])
 
 
 def throughput(dsn: str, conn: psycopg.Connection[Any], jobs: int, rounds: int) -> dict[str, Any]:

@@ -76,6 +76,29 @@ def _start_waiters(pool: ConnectionPool[Any], ids: list[int], results: list[Any]
     return threads
 
 
+def drain(dsn: str, conn: psycopg.Connection[Any], lane: str, n: int) -> float:
+    """One real worker (bench.handlers:noop, --max-jobs n) drains n queued jobs of the lane: jobs per
+    second on the database clock, from the first start to the last finish."""
+    proc = subprocess.Popen([sys.executable, "-m", "pglane", "worker", lane, "--handler", "bench.handlers:noop",
+                             "--max-jobs", str(n)], env={**os.environ, "PGLANE_DSN": dsn}, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 0:
+        raise SystemExit(f"the worker on {lane} exited {proc.returncode}: {err.decode(errors='replace')[-2000:]}")
+    row = conn.execute("SELECT count(*) FILTER (WHERE status = 'done') AS done,"
+                       " extract(epoch FROM max(finished_at) - min(started_at))::float8 AS seconds"
+                       " FROM pglane.jobs WHERE lane = %s", (lane,)).fetchone()
+    assert row is not None
+    if row["done"] != n:
+        raise SystemExit(f"{lane}: {row['done']} of {n} jobs done")
+    return float(n / row["seconds"])
+
+
 def run_case(dsn: str, conn: psycopg.Connection[Any], case: str, name: str, n: int) -> float:
     """Drain n jobs of a fresh lane with one worker; jobs per second on the database clock."""
     pglane.create_lane(conn, name, job_timeout=60)
@@ -95,21 +118,7 @@ def run_case(dsn: str, conn: psycopg.Connection[Any], case: str, name: str, n: i
                 if time.monotonic() > deadline:
                     raise SystemExit(f"{case}: the waiters did not mark their jobs within 60 s")
                 time.sleep(0.05)
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "pglane", "worker", name, "--handler", "bench.handlers:noop", "--max-jobs", str(n)],
-            env={**os.environ, "PGLANE_DSN": dsn}, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        try:
-            _, err = worker.communicate(timeout=600)
-        finally:
-            if worker.poll() is None:
-                worker.kill()
-                worker.wait()
-        if worker.returncode != 0:
-            raise SystemExit(f"{case}: the worker exited {worker.returncode}: {err.decode(errors='replace')[-2000:]}")
-        span = conn.execute("SELECT count(*) FILTER (WHERE status = 'done') AS done,"
-                            " extract(epoch FROM max(finished_at) - min(started_at))::float8 AS seconds"
-                            " FROM pglane.jobs WHERE lane = %s", (name,)).fetchone()
-        assert span is not None
+        rate = drain(dsn, conn, name, n)
         if case == "waiters100":
             for t in threads:
                 t.join(60)
@@ -120,9 +129,7 @@ def run_case(dsn: str, conn: psycopg.Connection[Any], case: str, name: str, n: i
                          " WHERE lane = %s", (f"{name}_idle",))  # ends the other lane's waits
             for t in threads:
                 t.join(60)
-    if span["done"] != n:
-        raise SystemExit(f"{case}: {span['done']} of {n} jobs done")
-    return float(n / span["seconds"])
+    return rate
 
 
 def main(argv: list[str] | None = None) -> int:
