@@ -43,8 +43,10 @@ from psycopg.rows import dict_row
 
 from pglane import client, queries, schema
 
+from . import callgrind
 from .pglane_runs import load_finished
-from .server import with_db
+from .server import tune_embedded, with_db
+from .stats import median_interval, progress, progress_done, verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 BEFORE = "9dca339"  # the last commit before #19's listing and lane_status work
@@ -60,6 +62,7 @@ JOBS_BEFORE = (
 # What lane_status's counts add to the job tables (bench_scale_without has none of it): statement
 # triggers (they do not fire on claim or complete), the generated column failed_or_cancelled with its
 # partial index, and attempts_finished.
+BOUND = 1.02  # #19: lane_status's counts slow the claim/complete path by at most 2 %
 TALLY_TRIGGERS = ("jobs_tally_insert", "jobs_tally_delete", "jobs_tally_truncate")
 
 
@@ -74,8 +77,11 @@ def database(dsn: str | None) -> Iterator[str]:
         return
     from pglane.embedded import embedded_server
 
-    with embedded_server(fsync=True) as embedded, psycopg.connect(embedded.dsn, autocommit=True) as conn:
-        conn.execute("CREATE DATABASE bench_scale")
+    with embedded_server(fsync=True) as embedded:
+        tune_embedded(embedded.dsn)  # durable commits, as the other benches, and pg_stat_statements loaded
+        embedded.restart("fast")
+        with psycopg.connect(embedded.dsn, autocommit=True) as conn:
+            conn.execute("CREATE DATABASE bench_scale")
         yield with_db(embedded.dsn, "bench_scale")
 
 
@@ -170,17 +176,59 @@ def lane_status(conn: psycopg.Connection[Any], finished: int, before: bool, runs
     return out
 
 
+def without_counts(dsn: str) -> None:
+    """pglane's schema in database ``dsn`` less what lane_status's counts add to the job tables."""
+    schema.upgrade(dsn)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for trigger in TALLY_TRIGGERS:
+            conn.execute(sql.SQL("DROP TRIGGER {} ON pglane.jobs").format(sql.Identifier(trigger)))
+        conn.execute("ALTER TABLE pglane.jobs DROP COLUMN failed_or_cancelled CASCADE")  # and lane_status
+
+
+def claim_complete_instructions(jobs: int, rounds: int) -> dict[str, Any]:
+    """The same comparison in instructions (bench.callgrind): a single-user backend of an embedded
+    cluster drains ``jobs`` jobs through complete_and_claim in each database, ``rounds`` times
+    interleaved, after a VACUUM of the job tables (autovacuum does not run in a single-user backend)."""
+    dbs = {True: "bench_scale", False: "bench_scale_without"}
+    with callgrind.cluster() as found:
+        with found.running() as admin:
+            with psycopg.connect(admin, autocommit=True) as conn:
+                for db in dbs.values():
+                    conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(db)))
+            schema.upgrade(with_db(admin, dbs[True]))
+            without_counts(with_db(admin, dbs[False]))
+            for db in dbs.values():
+                with psycopg.connect(with_db(admin, db), autocommit=True) as conn:
+                    client.create_lane(conn, "cc")
+                    conn.execute("INSERT INTO pglane.jobs (lane, payload)"
+                                 " SELECT 'cc', '{}' FROM generate_series(1, %s)", ((jobs + 40) * (rounds + 1),))
+                    conn.execute(callgrind.DRAIN)
+                    conn.execute("VACUUM ANALYZE")
+        counts: dict[bool, list[float]] = {True: [], False: []}
+        for r in range(rounds):
+            for on in ((True, False) if r % 2 == 0 else (False, True)):
+                total = found.drain_instructions(dbs[on], "cc", jobs,
+                                                 setup="VACUUM pglane.jobs;\nVACUUM pglane.attempts;")
+                counts[on].append(total / jobs)
+                progress(f"instructions round {r + 1}/{rounds}: {'with' if on else 'without'} {total / jobs:,.0f}/job")
+    progress_done()
+    return {"jobs_per_round": jobs, "rounds": rounds, "instructions_per_job": compare(counts, "<=", BOUND)}
+
+
 class Drainer:
     """One slot of lane cc in one database: drains rounds of jobs through complete_and_claim."""
 
-    def __init__(self, dsn: str) -> None:
+    def __init__(self, dsn: str, durable: bool) -> None:
         self.conn = client.connect(dsn)
+        if not durable:  # the functions' own work, without the commit's flush and its noise
+            self.conn.execute("SET synchronous_commit = off")
         client.create_lane(self.conn, "cc")
         lane_id = first(self.conn.execute(queries.LANES, {"name": "cc"}).fetchone())["id"]
         self.conn.execute(queries.TRY_SLOT, (lane_id, 1))
         self.conn.execute(queries.SLOT_HINT, ("1",))
         try:  # the server's own time per call, without the commit's flush: steadier than jobs/s
             self.conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            self.conn.execute("SELECT pg_stat_statements_reset()")  # refused unless preloaded
             self.statements = True
         except psycopg.Error:
             self.statements = False
@@ -225,7 +273,7 @@ class Drainer:
         return rate, us, cpu
 
 
-def claim_complete(dsn: str, jobs: int, rounds: int) -> dict[str, Any]:
+def claim_complete(dsn: str, jobs: int, rounds: int, durable: bool) -> dict[str, Any]:
     """The worker's path on one slot, in two databases of one server that differ only by what
     lane_status's counts add to the job tables: this one (head) and bench_scale_without (head with
     the tally triggers, the failed_or_cancelled column and its index and attempts_finished removed),
@@ -234,13 +282,8 @@ def claim_complete(dsn: str, jobs: int, rounds: int) -> dict[str, Any]:
         admin.execute("DROP DATABASE IF EXISTS bench_scale_without WITH (FORCE)")
         admin.execute("CREATE DATABASE bench_scale_without")
     other = with_db(dsn, "bench_scale_without")
-    schema.upgrade(other)
-    with psycopg.connect(other, autocommit=True) as conn:
-        for trigger in TALLY_TRIGGERS:
-            conn.execute(sql.SQL("DROP TRIGGER {} ON pglane.jobs").format(sql.Identifier(trigger)))
-        conn.execute("DROP INDEX pglane.attempts_finished")
-        conn.execute("ALTER TABLE pglane.jobs DROP COLUMN failed_or_cancelled CASCADE")  # and lane_status
-    sides = {True: Drainer(dsn), False: Drainer(other)}
+    without_counts(other)
+    sides = {True: Drainer(dsn, durable), False: Drainer(other, durable)}
     try:
         for side in sides.values():  # warm-up, and a history behind the queue
             side.drain(jobs)
@@ -259,22 +302,27 @@ def claim_complete(dsn: str, jobs: int, rounds: int) -> dict[str, Any]:
     finally:
         for side in sides.values():
             side.conn.close()
-    out: dict[str, Any] = {"jobs_per_round": jobs, "rounds": rounds, "jobs_s": compare(rates)}
+    out: dict[str, Any] = {"jobs_per_round": jobs, "rounds": rounds, "synchronous_commit": "on" if durable else "off",
+                           "jobs_s": compare(rates, ">=", 1 / BOUND)}
     if len(server[True]) == len(server[False]) == rounds:  # pg_stat_statements: the calls' execution time
-        out["server_us_per_job"] = compare(server)
+        out["server_us_per_job"] = compare(server, "<=", BOUND)
     if len(cpu[True]) == len(cpu[False]) == rounds:  # the backend's CPU time (a server on this machine)
-        out["backend_cpu_us_per_job"] = compare(cpu)
+        out["backend_cpu_us_per_job"] = compare(cpu, "<=", BOUND)
     return out
 
 
-def compare(values: dict[bool, list[float]]) -> dict[str, Any]:
-    """Interleaved rounds with (True) and without (False) the counts: each side, and the paired ratios."""
+def compare(values: dict[bool, list[float]], op: str, bound: float) -> dict[str, Any]:
+    """Interleaved rounds with (True) and without (False) the counts: each side, the paired ratios, a
+    bootstrap interval of their median and the verdict against #19's bound (at most 2 % slower)."""
     ratios = [w / b for w, b in zip(values[True], values[False], strict=True)]
+    interval = median_interval(ratios)
     return {"with_counts": [round(x, 1) for x in values[True]], "without": [round(x, 1) for x in values[False]],
             "median_with": round(statistics.median(values[True]), 1),
             "median_without": round(statistics.median(values[False]), 1),
             "ratio_median": round(statistics.median(ratios), 4),
-            "ratio_range": [round(min(ratios), 4), round(max(ratios), 4)]}
+            "ratio_range": [round(min(ratios), 4), round(max(ratios), 4)],
+            "interval_90": [round(interval[0], 4), round(interval[1], 4)],
+            "verdict": f"{verdict(interval, statistics.median(ratios), op, bound)} ({op} {bound:.4f})"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,29 +334,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=10, help="interleaved claim/complete rounds of each kind")
     p.add_argument("--cc-jobs", type=int, default=3000, help="jobs per claim/complete round")
     p.add_argument("--before", default=BEFORE, help="revision whose views give the before figures ('': none)")
-    p.add_argument("--only", nargs="*", choices=("listing", "lane_status", "claim_complete"))
+    p.add_argument("--async-commit", action="store_true",
+                   help="claim/complete with synchronous_commit off: the functions' work without the flush's noise")
+    p.add_argument("--ic-jobs", type=int, default=400, help="jobs per round counted in instructions")
+    p.add_argument("--only", nargs="*", choices=("listing", "lane_status", "claim_complete", "instructions"))
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
 
-    only = set(args.only or ("listing", "lane_status", "claim_complete"))
+    only = set(args.only or ("listing", "lane_status", "claim_complete", "instructions"))
     results: dict[str, Any] = {}
-    with database(args.dsn or os.environ.get("PGLANE_DSN")) as dsn:
-        schema.upgrade(dsn)
-        with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
-            results["server"] = first(conn.execute("SELECT version()").fetchone())["version"]
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            before = bool(args.before) and install_before(conn, args.before)
-            if "listing" in only:
-                for depth in sorted({10_000, args.queued}):
-                    results[f"listing_{depth}"] = listing(conn, depth, before, args.runs)
-                    print(json.dumps({f"listing_{depth}": results[f"listing_{depth}"]}), flush=True)
-            if "lane_status" in only:
-                results["lane_status"] = lane_status(conn, args.finished, before, args.runs)
-                print(json.dumps({"lane_status": results["lane_status"]}), flush=True)
-            conn.execute("TRUNCATE pglane.attempts, pglane.jobs")
-        if "claim_complete" in only:
-            results["claim_complete"] = claim_complete(dsn, args.cc_jobs, args.rounds)
-            print(json.dumps({"claim_complete": results["claim_complete"]}), flush=True)
+    if only - {"instructions"}:  # the rest run on a server (the instructions on a cluster of their own)
+        with database(args.dsn or os.environ.get("PGLANE_DSN")) as dsn:
+            schema.upgrade(dsn)
+            with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
+                results["server"] = first(conn.execute("SELECT version()").fetchone())["version"]
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                before = bool(args.before) and install_before(conn, args.before)
+                if "listing" in only:
+                    for depth in sorted({10_000, args.queued}):
+                        results[f"listing_{depth}"] = listing(conn, depth, before, args.runs)
+                        print(json.dumps({f"listing_{depth}": results[f"listing_{depth}"]}), flush=True)
+                if "lane_status" in only:
+                    results["lane_status"] = lane_status(conn, args.finished, before, args.runs)
+                    print(json.dumps({"lane_status": results["lane_status"]}), flush=True)
+                conn.execute("TRUNCATE pglane.attempts, pglane.jobs")
+            if "claim_complete" in only:
+                results["claim_complete"] = claim_complete(dsn, args.cc_jobs, args.rounds, not args.async_commit)
+                print(json.dumps({"claim_complete": results["claim_complete"]}), flush=True)
+    if "instructions" in only:
+        missing = callgrind.available()
+        results["claim_complete_instructions"] = (
+            {"skipped": missing} if missing else claim_complete_instructions(args.ic_jobs, args.rounds))
+        print(json.dumps({"claim_complete_instructions": results["claim_complete_instructions"]}), flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

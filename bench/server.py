@@ -71,7 +71,7 @@ def _enable_statements(admin_dsn: str) -> bool:
     return True
 
 
-def _tune_embedded(admin_dsn: str) -> None:
+def tune_embedded(admin_dsn: str) -> None:
     """Durable commits and pg_stat_statements (its default track=top: PostgreSQL 15 refuses to set a
     setting of a library not loaded yet); settings in postgresql.auto.conf need the restart."""
     with psycopg.connect(admin_dsn, autocommit=True) as conn:
@@ -100,7 +100,7 @@ def bench_server(dsn: str | None = None, extra: Sequence[str] = (), use_env: boo
     from pglane.embedded import embedded_server
 
     with embedded_server(fsync=True) as embedded:
-        _tune_embedded(embedded.dsn)
+        tune_embedded(embedded.dsn)
         embedded.restart("fast")
         server = BenchServer(embedded.dsn, _enable_statements(embedded.dsn))
         server.dsns = _create_databases(embedded.dsn, names)
@@ -155,7 +155,7 @@ def start_cluster(bindir: Path, data_dir: Path) -> str:
     if not server.is_running():
         if not (data_dir / "PG_VERSION").exists():
             with embedded_server(data_dir, fsync=True) as first:  # initdb, start; stopped at exit
-                _tune_embedded(first.dsn)
+                tune_embedded(first.dsn)
             (data_dir / BINDIR_FILE).write_text(str(bindir))
         server.start()
     return str(server.dsn)

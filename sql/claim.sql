@@ -325,7 +325,8 @@ BEGIN
     IF NOT FOUND THEN
         RETURN false;
     END IF;
-    UPDATE pglane.jobs j SET status = 'done', finished_at = now(), result = p_result WHERE j.id = v_job;
+    UPDATE pglane.jobs j SET status = 'done', failed_or_cancelled = false, finished_at = now(), result = p_result
+     WHERE j.id = v_job;
     IF v_late.status = 'queued' THEN
         PERFORM pglane.queue_left(v_late.lane);
     END IF;

@@ -136,7 +136,8 @@ BEGIN
         p_final_note := format('; not re-queued: lane %s is full (max_queued %s); run it again when there is '
                                'room: pglane retry %s', p_lane, v_lane.max_queued, p_job_id);
     END IF;
-    UPDATE pglane.jobs j SET status = 'failed', finished_at = now(), last_error = p_error || p_final_note
+    UPDATE pglane.jobs j SET status = 'failed', failed_or_cancelled = true, finished_at = now(),
+           last_error = p_error || p_final_note
      WHERE j.id = p_job_id;
     RETURN false;
 END $$;

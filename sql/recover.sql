@@ -168,7 +168,8 @@ BEGIN
                              v_job.status, (SELECT l.max_queued FROM pglane.lanes l WHERE l.name = v_job.lane)),
             HINT = 'retry it once workers have drained the lane, or raise the lane''s max_queued';
     END IF;
-    UPDATE pglane.jobs j SET status = 'queued', run_after = now(), finished_at = NULL WHERE j.id = p_job_id;
+    UPDATE pglane.jobs j SET status = 'queued', failed_or_cancelled = false, run_after = now(), finished_at = NULL
+     WHERE j.id = p_job_id;
     PERFORM pglane.notify_lane((SELECT l.id FROM pglane.lanes l WHERE l.name = v_job.lane));
     RETURN true;
 END $$;
@@ -181,7 +182,8 @@ AS $$
 DECLARE
     v_job pglane.jobs := pglane.decided_job(p_job_id, '{queued}', 'only queued jobs can be cancelled');
 BEGIN
-    UPDATE pglane.jobs j SET status = 'cancelled', finished_at = now() WHERE j.id = p_job_id;
+    UPDATE pglane.jobs j SET status = 'cancelled', failed_or_cancelled = true, finished_at = now()
+     WHERE j.id = p_job_id;
     PERFORM pglane.queue_left(v_job.lane);
     RETURN true;
 END $$;

@@ -36,8 +36,13 @@ SELECT h.lane_id, h.lane, h.slot, h.pid, h.mode, h.granted, s.usename::text AS r
 -- claim/complete path: done is what is left of a lane's jobs once its queued and running ones (read
 -- through the queue and running-attempt indexes: the backlog) and its failed and cancelled ones are
 -- taken off. Failed and cancelled jobs are read through their own partial index (jobs_failed_or_cancelled,
--- keyed on the generated column failed_or_cancelled, which claim and complete leave false: a
--- completion stays a HOT update). How many jobs a lane holds is kept in pglane.lane_tallies by the
+-- keyed on the column failed_or_cancelled, which claim and complete leave false: a completion stays a
+-- HOT update). That column is a plain one, written by the four functions that move a job into or out
+-- of failed and cancelled (requeue_or_fail, cancel, retry, a late result in complete_impl), not a
+-- generated one: PostgreSQL reads a generated column's expression again from its stored text for
+-- every UPDATE statement, about 20,000 instructions each, two per job (bench.callgrind). A status
+-- changed by hand must set it too; pglane.recount_tallies() sets it again from status everywhere.
+-- How many jobs a lane holds is kept in pglane.lane_tallies by the
 -- statement triggers below: an INSERT or DELETE statement adds its count per lane (a TRUNCATE empties
 -- the tallies), so every writer is counted, pglane's functions and plain SQL alike; rows written with
 -- triggers off (session_replication_role = replica) are not: pglane.recount_tallies() counts again.
@@ -122,7 +127,9 @@ CREATE TRIGGER jobs_tally_truncate AFTER TRUNCATE ON pglane.jobs
     FOR EACH STATEMENT EXECUTE FUNCTION pglane.jobs_tally_truncate();
 
 -- recount_tallies: count every lane's jobs again from the history (one full read, with writers to
--- pglane.jobs held off meanwhile): after rows were written with triggers off. Returns the lanes counted.
+-- pglane.jobs held off meanwhile), and set failed_or_cancelled again from status wherever the two
+-- disagree: after rows were written with triggers off or statuses changed by hand. Returns the lanes
+-- counted.
 CREATE OR REPLACE FUNCTION pglane.recount_tallies() RETURNS integer
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
@@ -131,6 +138,8 @@ DECLARE
     v_lanes integer;
 BEGIN
     LOCK TABLE pglane.jobs IN SHARE MODE;
+    UPDATE pglane.jobs j SET failed_or_cancelled = j.status IN ('failed', 'cancelled')
+     WHERE j.failed_or_cancelled IS DISTINCT FROM (j.status IN ('failed', 'cancelled'));
     DELETE FROM pglane.lane_tallies;
     INSERT INTO pglane.lane_tallies (lane_id, shard, jobs)
     SELECT l.id, 0, count(*) FROM pglane.jobs j JOIN pglane.lanes l ON l.name = j.lane GROUP BY l.id;
@@ -138,34 +147,64 @@ BEGIN
     RETURN v_lanes;
 END $$;
 
--- lane_flow: how many of lane p_lane's jobs arrived, and how many finished, in the last 5 minutes,
--- without reading older history: the queued ones through the queue index, the running ones through
--- their running attempts, the done and failed ones through the attempt that finished them (the
--- attempts_finished index: a done or failed job's latest attempt finished in the same transaction as
--- the job), the cancelled ones through jobs_failed_or_cancelled. Its cost follows the last 5 minutes'
--- traffic (and the lane's failed and cancelled jobs);
--- lane_status asks for it only when it may advise on a growing backlog.
-CREATE OR REPLACE FUNCTION pglane.lane_flow(p_lane text, OUT arrived_5m bigint, OUT finished_5m bigint)
+-- first_id_since: the first id of pglane.attempts (p_attempts) or pglane.jobs whose row began at or
+-- after p_at (an attempt's started_at, a job's created_at), found by bisecting the primary key: about
+-- 2 log2(rows) index probes, whatever the history. Ids are handed out in the order rows are inserted,
+-- and a row's time is its transaction's start, so the times follow the ids but for transactions that
+-- overlap; callers search from a little earlier than they need and filter on the time itself. NULL for
+-- an empty table.
+CREATE OR REPLACE FUNCTION pglane.first_id_since(p_attempts boolean, p_at timestamptz) RETURNS bigint
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
+DECLARE
+    v_lo  bigint;   -- every row below v_lo began before p_at
+    v_hi  bigint;   -- the row at or after v_hi (the first existing one) begins at or after p_at, or none is left
+    v_mid bigint;
+    v_id  bigint;
+    v_at  timestamptz;
+BEGIN
+    IF p_attempts THEN
+        SELECT min(a.id), max(a.id) + 1 INTO v_lo, v_hi FROM pglane.attempts a;
+    ELSE
+        SELECT min(j.id), max(j.id) + 1 INTO v_lo, v_hi FROM pglane.jobs j;
+    END IF;
+    WHILE v_lo < v_hi LOOP
+        v_mid := v_lo + (v_hi - v_lo) / 2;
+        IF p_attempts THEN
+            SELECT a.id, a.started_at INTO v_id, v_at FROM pglane.attempts a WHERE a.id >= v_mid ORDER BY a.id LIMIT 1;
+        ELSE
+            SELECT j.id, j.created_at INTO v_id, v_at FROM pglane.jobs j WHERE j.id >= v_mid ORDER BY j.id LIMIT 1;
+        END IF;
+        IF NOT FOUND OR v_at >= p_at THEN
+            v_hi := v_mid;
+        ELSE
+            v_lo := v_id + 1;
+        END IF;
+    END LOOP;
+    RETURN v_lo;
+END $$;
+
+-- lane_flow: how many of lane p_lane's jobs arrived in the last 5 minutes, and how many left its
+-- queue (started, or cancelled while queued) -- the two sides of a backlog -- without reading older
+-- history and without an index kept on the claim/complete path for it: arrivals and starts are read
+-- by primary key from the first job and the first attempt of the last 5 minutes (first_id_since, from
+-- 30 s earlier), cancels through jobs_failed_or_cancelled. A retried job's new start counts again.
+-- Its cost follows the last 5 minutes' traffic of every lane (and this lane's failed and cancelled
+-- jobs); lane_status asks for it only when it may advise on a growing backlog.
+CREATE OR REPLACE FUNCTION pglane.lane_flow(p_lane text, OUT arrived_5m bigint, OUT left_5m bigint)
 LANGUAGE sql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
 AS $$
-    WITH finished AS (
-        SELECT j.created_at FROM pglane.attempts a
-          JOIN pglane.jobs j ON j.id = a.job_id AND j.attempts = a.attempt_number
-         WHERE a.finished_at > now() - interval '5 minutes' AND j.lane = p_lane
-           AND j.status IN ('done', 'failed') AND j.finished_at > now() - interval '5 minutes'
-        UNION ALL
-        SELECT j.created_at FROM pglane.jobs j
-         WHERE j.lane = p_lane AND j.failed_or_cancelled AND j.status = 'cancelled'
-           AND j.finished_at > now() - interval '5 minutes'
-    )
     SELECT (SELECT count(*) FROM pglane.jobs j
-             WHERE j.lane = p_lane AND j.in_queue AND j.created_at > now() - interval '5 minutes')
-         + (SELECT count(*) FROM pglane.attempts a JOIN pglane.jobs j ON j.id = a.job_id
-             WHERE a.status = 'running' AND j.status = 'running' AND j.lane = p_lane
-               AND j.created_at > now() - interval '5 minutes')
-         + (SELECT count(*) FROM finished f WHERE f.created_at > now() - interval '5 minutes'),
-           (SELECT count(*) FROM finished);
+             WHERE j.id >= pglane.first_id_since(false, now() - interval '5 minutes 30 seconds')
+               AND j.lane = p_lane AND j.created_at > now() - interval '5 minutes'),
+           (SELECT count(*) FROM pglane.attempts a JOIN pglane.jobs j ON j.id = a.job_id
+             WHERE a.id >= pglane.first_id_since(true, now() - interval '5 minutes 30 seconds')
+               AND a.started_at > now() - interval '5 minutes' AND j.lane = p_lane)
+         + (SELECT count(*) FROM pglane.jobs j
+             WHERE j.lane = p_lane AND j.failed_or_cancelled AND j.status = 'cancelled'
+               AND j.finished_at > now() - interval '5 minutes');
 $$;
 
 -- lane_status: every count of a lane without reading its history: queued and eligible through the
@@ -216,7 +255,7 @@ WITH queue AS (
            count(*) FILTER (WHERE ss.squatter) AS squatters
       FROM pglane.slot_sessions ss
      GROUP BY ss.lane_id
-), base AS MATERIALIZED (  -- materialized: each lane's flow (arrived, finished) is read once
+), base AS MATERIALIZED (  -- materialized: each lane's flow (arrived, left) is read once
     SELECT l.name AS lane, l.id AS lane_id, l.slots, pglane.lane_consumers(l.id, l.slots) AS consumers,
            coalesce(q.queued, 0) AS queued, coalesce(q.eligible, 0) AS eligible,
            coalesce(r.running, 0) AS running,
@@ -226,7 +265,7 @@ WITH queue AS (
            now() - q.oldest_queued AS oldest_queued_age,
            now() - q.oldest_eligible AS oldest_eligible_age,
            CASE WHEN q.eligible > 0 AND now() - q.oldest_eligible > l.waiting_grace
-                THEN (SELECT ARRAY[fl.arrived_5m, fl.finished_5m] FROM pglane.lane_flow(l.name) fl) END AS flow,
+                THEN (SELECT ARRAY[fl.arrived_5m, fl.left_5m] FROM pglane.lane_flow(l.name) fl) END AS flow,
            coalesce(an.orphaned, 0) AS orphaned, coalesce(an.stuck, 0) AS stuck,
            l.max_queued, l.waiting_grace, l.job_timeout, l.lease_timeout, l.max_attempts,
            coalesce(h.holders, '[]') AS holders, coalesce(h.squatters, 0) AS squatters, h.squatter_action,
@@ -263,7 +302,7 @@ SELECT b.lane, b.slots, b.consumers, b.queued, b.running, b.done, b.failed, b.ca
                       b.rate, b.rate_window_used, b.rate_next_start_at)
            WHEN b.eligible > 0 AND b.oldest_eligible_age > b.waiting_grace
                 AND b.flow[1] > b.flow[2] THEN
-               format('backlog of lane %s is growing (%s queued, %s arrived and %s finished in 5 min): '
+               format('backlog of lane %s is growing (%s queued, %s arrived and %s started or cancelled in 5 min): '
                       'add slots and workers, or expect the oldest to wait longer', b.lane, b.queued,
                       b.flow[1], b.flow[2])
            WHEN b.consumers = 0 THEN

@@ -41,8 +41,6 @@ def test_small_soak_runs_every_job_and_writes_its_report(dsn: str, tmp_path: Pat
     assert {"worker_rss_mb", "worker_fds", "worker_sessions", "connections", "table lane_counters",
             "index jobs_queue"} <= set(flat)
     assert "index jobs_pkey" not in flat and "index jobs_pkey" in judged["history"]
-    if "attempts_finished" in first["indexes"]:  # partial, but every finished attempt: history
-        assert "index attempts_finished" in judged["history"]
     assert judged["history"]["jobs"]["bytes_per_job"] > 0
     assert set(judged["dead_tuples"]) >= {"jobs", "attempts"}
     assert judged["throughput"]["windows"] >= 1 and judged["throughput"]["first_third"] > 0

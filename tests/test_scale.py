@@ -17,7 +17,7 @@ import pytest
 
 import pglane
 from pglane import queries
-from tests.conftest import claim, take_slot
+from tests.conftest import claim, lane_id, take_slot
 from tests.test_cli import run
 
 
@@ -75,8 +75,9 @@ def test_the_bound_holds_exactly_when_producers_race_with_skip(dsn: str, conn: A
 
 def finished_jobs(conn: Any, lane: str, n: int, status: str = "done") -> list[int]:
     conn.execute("INSERT INTO pglane.jobs (lane, payload) SELECT %s, '{}' FROM generate_series(1, %s)", (lane, n))
-    rows = conn.execute("UPDATE pglane.jobs SET status = %s, finished_at = now() - interval '1 day'"
-                        " WHERE lane = %s AND status = 'queued' RETURNING id", (status, lane)).fetchall()
+    rows = conn.execute("UPDATE pglane.jobs SET status = %s, failed_or_cancelled = %s IN ('failed', 'cancelled'),"
+                        " finished_at = now() - interval '1 day' WHERE lane = %s AND status = 'queued' RETURNING id",
+                        (status, status, lane)).fetchall()
     return [r["id"] for r in rows]
 
 
@@ -289,6 +290,7 @@ def test_lane_status_counts_stay_exact_through_claims_failures_cancels_retries_a
     for job in (*failed[:3], *queued[:4]):  # retry: failed and cancelled jobs back in the queue
         assert pglane.retry(conn, job)
     check()
+    assert flag_disagrees(conn) == 0
     assert worker.execute(queries.COMPLETE, (running["attempt_id"], "null", running["token"])).fetchone()["complete"]
     check()
     # Prunes, plain and in batches (finished long ago, so that they are old enough to go).
@@ -311,6 +313,7 @@ def test_lane_status_counts_stay_exact_through_claims_failures_cancels_retries_a
     check()
     deep_queue(conn, "counted", 5, 0)
     check()
+    assert flag_disagrees(conn) == 0
 
 
 def test_producers_in_open_transactions_do_not_wait_on_each_other_for_the_counts(conn: Any, lane: str, dsn: str
@@ -334,9 +337,11 @@ def test_producers_in_open_transactions_do_not_wait_on_each_other_for_the_counts
 def test_many_changes_in_one_statement_cost_each_the_same_and_fold(conn: Any, lane: str) -> None:
     deep_queue(conn, lane, 3000, 0)
     started = time.monotonic()
-    conn.execute("UPDATE pglane.jobs SET status = 'cancelled', finished_at = now() WHERE id <= 2000")
+    conn.execute("UPDATE pglane.jobs SET status = 'cancelled', failed_or_cancelled = true, finished_at = now()"
+                 " WHERE id <= 2000")
     assert time.monotonic() - started < 10  # one row at a time, never the statement's rows so far
-    conn.execute("UPDATE pglane.jobs SET status = 'queued', finished_at = NULL WHERE id <= 500")
+    conn.execute("UPDATE pglane.jobs SET status = 'queued', failed_or_cancelled = false, finished_at = NULL"
+                 " WHERE id <= 500")
     conn.execute("DELETE FROM pglane.jobs WHERE id > 2900")
     assert counts(conn, lane) == truth(conn, lane) == {"queued": 1400, "running": 0, "done": 0, "failed": 0,
                                                        "cancelled": 1500}
@@ -346,6 +351,41 @@ def test_many_changes_in_one_statement_cost_each_the_same_and_fold(conn: Any, la
     rows = conn.execute("SELECT count(*) AS n FROM pglane.lane_tallies").fetchone()["n"]
     assert rows <= 64
     assert counts(conn, lane) == truth(conn, lane)
+
+
+def flag_disagrees(conn: Any) -> int:
+    """Jobs whose failed_or_cancelled (written by pglane's functions with status) disagrees with status."""
+    return int(conn.execute("SELECT count(*) AS n FROM pglane.jobs"
+                            " WHERE failed_or_cancelled IS DISTINCT FROM (status IN ('failed', 'cancelled'))"
+                            ).fetchone()["n"])
+
+
+def test_a_lost_attempt_failed_by_recovery_and_its_late_result_keep_the_counts_exact(
+        conn: Any, session: Any, lane: str) -> None:
+    job = pglane.enqueue(conn, lane, {})
+    holder = session()
+    take_slot(holder, lane)
+    row = claim(holder, lane)
+    assert row is not None
+    holder.execute(queries.RELEASE_SLOT, (lane_id(conn, lane), 1))
+    assert pglane.recover(conn, lane) == 1  # the session let go of its slot: lost, and failed (one attempt)
+    assert pglane.job_status(conn, job)["status"] == "failed"
+    assert counts(conn, lane) == truth(conn, lane) and counts(conn, lane)["failed"] == 1
+    # The paid result arrives late, with the attempt's token: accepted, the failed job becomes done.
+    assert holder.execute(queries.COMPLETE, (row["attempt_id"], '{"late": true}', row["token"])).fetchone()["complete"]
+    assert pglane.job_status(conn, job)["status"] == "done"
+    assert counts(conn, lane) == truth(conn, lane) and counts(conn, lane)["failed"] == 0
+    assert flag_disagrees(conn) == 0
+
+
+def test_a_status_changed_by_hand_is_counted_again_by_recount_tallies(conn: Any, lane: str) -> None:
+    deep_queue(conn, lane, 5, 0)
+    conn.execute("UPDATE pglane.jobs SET status = 'cancelled', finished_at = now() WHERE lane = %s", (lane,))
+    assert flag_disagrees(conn) == 5 and counts(conn, lane) != truth(conn, lane)  # the column was not written
+    conn.execute("SELECT pglane.recount_tallies()")
+    assert flag_disagrees(conn) == 0
+    assert counts(conn, lane) == truth(conn, lane) == {"queued": 0, "running": 0, "done": 0, "failed": 0,
+                                                       "cancelled": 5}
 
 
 def test_rows_written_with_triggers_off_are_counted_again_by_recount_tallies(conn: Any, lane: str) -> None:
@@ -363,7 +403,7 @@ def test_rows_written_with_triggers_off_are_counted_again_by_recount_tallies(con
 def test_a_growing_backlog_is_told_from_the_last_five_minutes_alone(conn: Any, session: Any, lane: str) -> None:
     worker = session()
     take_slot(worker, lane)
-    # An hour-old history of 200 finished jobs does not count; 30 finished now, 40 arrived now.
+    # An hour-old history of 200 finished jobs does not count; 30 started now, 40 arrived now.
     deep_queue(conn, lane, 230, 0)
     for _ in range(230):
         row = claim(worker, lane)
@@ -372,22 +412,24 @@ def test_a_growing_backlog_is_told_from_the_last_five_minutes_alone(conn: Any, s
     conn.execute("UPDATE pglane.jobs SET created_at = now() - interval '1 hour',"
                  " finished_at = now() - interval '1 hour'"
                  " WHERE id IN (SELECT id FROM pglane.jobs ORDER BY id LIMIT 200)")
-    conn.execute("UPDATE pglane.attempts SET finished_at = now() - interval '1 hour'"
+    conn.execute("UPDATE pglane.attempts SET started_at = now() - interval '1 hour',"
+                 " finished_at = now() - interval '1 hour'"
                  " WHERE job_id IN (SELECT id FROM pglane.jobs ORDER BY id LIMIT 200)")
     conn.execute("UPDATE pglane.jobs SET created_at = now() - interval '1 hour' WHERE id IN"
-                 " (SELECT id FROM pglane.jobs ORDER BY id OFFSET 200)")  # arrived earlier, finished now
+                 " (SELECT id FROM pglane.jobs ORDER BY id OFFSET 200)")  # arrived earlier, started now
     deep_queue(conn, lane, 40, 0)
     conn.execute("UPDATE pglane.jobs SET created_at = now() - interval '1 minute', run_after = now() - interval"
                  " '1 minute' WHERE status = 'queued'")
     flow = conn.execute("SELECT * FROM pglane.lane_flow(%s)", (lane,)).fetchone()
-    assert (flow["arrived_5m"], flow["finished_5m"]) == (40, 30)
+    assert (flow["arrived_5m"], flow["left_5m"]) == (40, 30)
     assert counts(conn, lane) == truth(conn, lane)
     row = next(r for r in pglane.lane_status(conn) if r["lane"] == lane)
-    assert row["next_safe_action"].startswith("backlog of lane brain is growing (40 queued, 40 arrived and 30 finished")
+    assert row["next_safe_action"].startswith(
+        "backlog of lane brain is growing (40 queued, 40 arrived and 30 started or cancelled in 5 min)")
     queued = conn.execute("SELECT id FROM pglane.jobs WHERE status = 'queued' LIMIT 15").fetchall()
     cancelled = [r["id"] for r in queued]
-    for job in cancelled:  # cancelled jobs have finished too
+    for job in cancelled:  # cancelled jobs have left the queue too
         pglane.cancel(conn, job)
     flow = conn.execute("SELECT * FROM pglane.lane_flow(%s)", (lane,)).fetchone()
-    assert (flow["arrived_5m"], flow["finished_5m"]) == (40, 45)
+    assert (flow["arrived_5m"], flow["left_5m"]) == (40, 45)
     assert next(r for r in pglane.lane_status(conn) if r["lane"] == lane)["next_safe_action"] == "nothing to do"

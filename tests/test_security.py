@@ -55,7 +55,8 @@ def _claimed(conn: Any, session: Any) -> tuple[int, str]:
 
 def _failed(conn: Any) -> int:
     job = pglane.enqueue(conn, "brain", {})
-    conn.execute("UPDATE pglane.jobs SET status = 'failed', finished_at = now() WHERE id = %s", (job,))
+    conn.execute("UPDATE pglane.jobs SET status = 'failed', failed_or_cancelled = true, finished_at = now()"
+                 " WHERE id = %s", (job,))
     return job
 
 

@@ -106,15 +106,16 @@ WAIT_UNDO_AFTER = ""
 # lanes_next_start(), lanes_in_flight(): job_status's lane facts, read once per statement.
 # lane_status without the history: lane_tallies (per lane, in delta rows: the jobs the table holds;
 # kept by the jobs_tally_* statement triggers of views.sql, counted here once), jobs.failed_or_cancelled
-# and its partial index (the failed and cancelled jobs, claim and complete leave it false), and
-# attempts_finished (the last 5 minutes' finishes, for lane_flow()). Functions, the table and the
+# (a plain column written with status by the functions that fail, cancel and retry; set here once)
+# and its partial index (the failed and cancelled jobs, claim and complete leave it false); lane_flow()
+# reads the last 5 minutes by primary key (first_id_since()), no index of its own. Functions, the table and the
 # column go after 0007's text is back (0007's views do not use them; RATE_UNDO_BEFORE drops 0008's
 # views); the triggers, before it.
 SCALE_FUNCTIONS = ("pglane.queue_positions(text), pglane.lanes_consumers(), pglane.lanes_next_start(),"
                    " pglane.lanes_in_flight()")
 SCALE_INTERNAL = ("pglane.tally(text, bigint), pglane.fold_tallies(integer), pglane.jobs_tally_insert(),"
                   " pglane.jobs_tally_delete(), pglane.jobs_tally_truncate(), pglane.recount_tallies(),"
-                  " pglane.lane_flow(text)")
+                  " pglane.lane_flow(text), pglane.first_id_since(boolean, timestamptz)")
 SCALE_BEFORE = """
     CREATE TABLE pglane.lane_tallies (
         lane_id integer NOT NULL REFERENCES pglane.lanes (id) ON DELETE CASCADE,
@@ -126,12 +127,12 @@ SCALE_BEFORE = """
     CREATE SEQUENCE pglane.lane_tally_shards;
     INSERT INTO pglane.lane_tallies (lane_id, shard, jobs)
     SELECT l.id, 0, count(*) FROM pglane.jobs j JOIN pglane.lanes l ON l.name = j.lane GROUP BY l.id;
-    ALTER TABLE pglane.jobs ADD COLUMN failed_or_cancelled boolean
-        GENERATED ALWAYS AS (status IN ('failed', 'cancelled')) STORED;
+    ALTER TABLE pglane.jobs ADD COLUMN failed_or_cancelled boolean NOT NULL DEFAULT false;
+    UPDATE pglane.jobs SET failed_or_cancelled = true WHERE status IN ('failed', 'cancelled');
     COMMENT ON COLUMN pglane.jobs.failed_or_cancelled IS
-        'status is failed or cancelled, kept apart so that its index does not depend on status (as in_queue)';
+        'status is failed or cancelled, kept apart so that its index does not depend on status (as in_queue);'
+        ' written with status by pglane''s functions (not generated: see views.sql)';
     CREATE INDEX jobs_failed_or_cancelled ON pglane.jobs (lane) WHERE failed_or_cancelled;
-    CREATE INDEX attempts_finished ON pglane.attempts (finished_at) WHERE finished_at IS NOT NULL;
     -- Every attempt is updated once when it ends: vacuumed as often as jobs are (the soak's finding: at the
     -- default 20 %, a long history's dead attempt rows pile up between vacuums).
     ALTER TABLE pglane.attempts SET (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000);
@@ -145,7 +146,6 @@ SCALE_UNDO_BEFORE = """
     DROP TRIGGER jobs_tally_insert ON pglane.jobs;
     DROP TRIGGER jobs_tally_delete ON pglane.jobs;
     DROP TRIGGER jobs_tally_truncate ON pglane.jobs;
-    DROP INDEX pglane.attempts_finished;
     ALTER TABLE pglane.attempts RESET (autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold);
 """
 SCALE_UNDO_AFTER = f"""

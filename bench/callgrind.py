@@ -1,0 +1,132 @@
+"""Instructions, not seconds: what pglane's functions cost the server, counted by callgrind.
+
+On 2 shared cores a round's CPU time moves by 20 % and more for the same work (other tenants, steal),
+so a difference of a few percent between two schemas is out of reach of jobs/s or /proc CPU times
+without hundreds of rounds. ``valgrind --tool=callgrind`` counts the instructions the backend
+executes: the same figure for the same work, whatever else the machine does. Here it runs a
+single-user backend (``postgres --single``, the cluster stopped) of the embedded PostgreSQL, counting
+only inside ``CALL`` statements (``--toggle-collect=ExecuteCallStmt``) and writing one part per call
+(``--dump-after``): the first call of a run warms the session's plan caches, the second is measured.
+
+What it does not see: the client, the round trip and the kernel (the commit's WAL flush is a system
+call: counted as the instructions that issue it, not the time it waits). Both sides of a comparison
+pay those alike.
+
+Used by ``python -m bench.scale --instructions`` (#19, point 2) and ``python -m bench.rates
+--instructions`` (#21).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from pglane import pgbin
+
+from .server import with_db
+
+# A slot-holding consumer's loop, all inside the server: claim once, then complete_and_claim p_jobs
+# times, each job its own transaction (a procedure may COMMIT), as pglane worker's fast path does.
+DRAIN = """
+CREATE OR REPLACE PROCEDURE public.callgrind_drain(p_lane text, p_jobs integer) LANGUAGE plpgsql AS $$
+DECLARE
+    r pglane.claimed;
+BEGIN
+    PERFORM pg_advisory_lock((SELECT l.id FROM pglane.lanes l WHERE l.name = p_lane), 1);
+    PERFORM set_config('pglane.slot', '1', false);
+    r := pglane.claim_or_wait(p_lane, 'callgrind');
+    COMMIT;
+    FOR i IN 1 .. p_jobs LOOP
+        r := pglane.complete_and_claim(r.attempt_id, 'null', p_lane, 'callgrind', r.token);
+        IF r.job_id IS NULL THEN
+            RAISE EXCEPTION 'callgrind_drain: lane % ran dry after % jobs', p_lane, i;
+        END IF;
+        COMMIT;
+    END LOOP;
+    PERFORM pg_advisory_unlock_all();
+END $$;
+"""
+
+
+def available() -> str | None:
+    """Why instructions cannot be counted here (None when they can)."""
+    if shutil.which("valgrind") is None:
+        return "valgrind is not installed (Debian's package valgrind)"
+    return None
+
+
+@dataclass
+class Cluster:
+    """A stopped embedded cluster in ``root``; ``dsn(db)`` is valid only inside ``running()``."""
+
+    root: Path
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data"
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[str]:
+        """The cluster started (fsync on), its admin DSN; stopped again at exit."""
+        from pglane.embedded import embedded_server
+
+        with embedded_server(self.data, fsync=True) as server:
+            yield server.dsn
+
+    def drain_instructions(self, db: str, lane: str, jobs: int, warm: int = 20, setup: str = "") -> int:
+        """Instructions of one warm ``callgrind_drain(lane, jobs)`` in database ``db`` (a first call of
+        ``warm`` jobs, not counted, warms the session). ``setup`` runs first, not counted either (a
+        VACUUM, say). Consumes warm + jobs + 2 queued jobs of the lane."""
+        bindir = pgbin.find_bindir()
+        out = self.root / f"callgrind.{db}.out"
+        for old in self.root.glob(f"callgrind.{db}.out*"):
+            old.unlink()
+        valgrind = shutil.which("valgrind")
+        assert valgrind is not None, available()
+        command = [*pgbin.root_prefix(), valgrind, "--tool=callgrind", "--collect-atstart=no",
+                   "--toggle-collect=ExecuteCallStmt", "--dump-after=ExecuteCallStmt",
+                   f"--callgrind-out-file={out}", str(bindir / "postgres"), "--single", "-D", str(self.data),
+                   "-c", "autovacuum=off", db]
+        assert re.fullmatch(r"[a-z][a-z0-9_-]*", lane), lane  # a lane name, as pglane allows them
+        call = "CALL public.callgrind_drain('{}', {});\n"
+        script = f"{setup}\n{call.format(lane, warm)}{call.format(lane, jobs)}"
+        done = subprocess.run(command, input=script, capture_output=True, text=True, timeout=3600)
+        if done.returncode != 0 or "ERROR" in done.stdout + done.stderr:
+            raise RuntimeError(f"callgrind run on {db} failed (exit {done.returncode}):\n"
+                               f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+        parts = sorted(self.root.glob(f"callgrind.{db}.out.*"), key=lambda p: int(p.name.rsplit(".", 1)[1]))
+        totals = [_total(p) for p in parts]
+        if len(totals) < 2:
+            raise RuntimeError(f"callgrind wrote {len(totals)} parts for {db}, expected 2: {parts}")
+        return totals[1]
+
+
+def _total(part: Path) -> int:
+    text = part.read_text(errors="replace")
+    found = re.search(r"^(?:summary|totals):\s+(\d+)", text, re.M)
+    if found is None:
+        raise RuntimeError(f"no instruction total in {part}")
+    return int(found.group(1))
+
+
+@contextlib.contextmanager
+def cluster() -> Iterator[Cluster]:
+    """A fresh embedded cluster in a temporary directory (removed at exit): set it up inside
+    ``running()``, then count with ``drain_instructions`` while it is stopped."""
+    root = Path(tempfile.mkdtemp(prefix="pglane-callgrind-"))
+    os.chmod(root, 0o755)  # the server's user (a mapped one under root) must reach data/
+    try:
+        yield Cluster(root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def database_dsn(admin_dsn: str, db: str) -> str:
+    return with_db(admin_dsn, db)
