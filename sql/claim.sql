@@ -51,9 +51,7 @@ DECLARE
 BEGIN
     SELECT l AS lane,
            CASE WHEN l.rate_limit IS NOT NULL THEN
-               (SELECT c.window_cost FROM pglane.lane_counters c WHERE c.lane_id = l.id) END AS window_cost,
-           CASE WHEN l.rate_limit IS NOT NULL THEN
-               (SELECT c.last_seq FROM pglane.lane_counters c WHERE c.lane_id = l.id) END AS last_seq,
+               (SELECT c FROM pglane.lane_counters c WHERE c.lane_id = l.id) END AS counters,
            CASE WHEN l.rate_limit IS NOT NULL THEN
                (SELECT j.cost FROM pglane.jobs j
                  WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()
@@ -116,8 +114,8 @@ BEGIN
     -- turn comes.
     IF v_lane.rate_limit IS NOT NULL THEN
         v_cost := v_look.head_cost;
-        v_window := v_look.window_cost;
-        v_last_seq := v_look.last_seq;
+        v_window := (v_look.counters).window_cost;
+        v_last_seq := (v_look.counters).last_seq;
         IF v_cost IS NULL THEN  -- nothing eligible
             RETURN r;
         END IF;

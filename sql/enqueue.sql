@@ -58,13 +58,9 @@ BEGIN
                              length(NEW.idempotency_key)),
             HINT = 'hash a long request identity down to a short key';
     END IF;
-    -- cost: what the job's start counts against its lane's rate limit (1 unless given).
+    -- cost: what the job's start counts against its lane's rate limit (1 unless given; below 1 its
+    -- domain, pglane.job_cost, refused it already: check_violation job_cost_positive).
     NEW.cost := coalesce(NEW.cost, 1);
-    IF NEW.cost < 1 THEN
-        RAISE EXCEPTION USING ERRCODE = 'PGL10',
-            MESSAGE = format('job cost %s; a cost is a whole number of at least 1', NEW.cost),
-            HINT = 'give the units the job uses of its lane''s rate (tokens, requests), or leave it at 1';
-    END IF;
     IF NEW.cost > v_rate THEN
         RAISE EXCEPTION USING ERRCODE = 'PGL13',
             MESSAGE = format('job cost %s exceeds the rate of lane %L (%s): it could never start',

@@ -77,6 +77,21 @@ DROP TRIGGER IF EXISTS lanes_before_update ON pglane.lanes;
 CREATE TRIGGER lanes_before_update BEFORE UPDATE ON pglane.lanes
     FOR EACH ROW EXECUTE FUNCTION pglane.lanes_before_update();
 
+-- lanes_after_delete: a deleted lane's recorded starts go with it (lane_starts has no foreign key: its
+-- check would lock the lane's row at every start of a rate-limited lane).
+CREATE OR REPLACE FUNCTION pglane.lanes_after_delete() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
+BEGIN
+    DELETE FROM pglane.lane_starts s WHERE s.lane_id = OLD.id;
+    RETURN NULL;
+END $$;
+
+DROP TRIGGER IF EXISTS lanes_after_delete ON pglane.lanes;
+CREATE TRIGGER lanes_after_delete AFTER DELETE ON pglane.lanes
+    FOR EACH ROW EXECUTE FUNCTION pglane.lanes_after_delete();
+
 -- A bounded lane's queue depth is lane_admissions.admitted - lane_counters.left_queue: producers and
 -- re-queues count in on the admissions row, under whose lock the bound is checked; claims, cancels
 -- and late results count out on the counters row, which claims lock anyway. So a claim never waits

@@ -202,7 +202,8 @@ def test_a_job_costing_more_than_the_rate_is_refused_at_enqueue(conn: Conn, lane
     assert plain.value.sqlstate == "PGL13"
     with pytest.raises(psycopg.Error) as zero:
         conn.execute("INSERT INTO pglane.jobs (lane, payload, cost) VALUES (%s, '{}', 0)", (lane,))
-    assert zero.value.sqlstate == "PGL10"
+    assert (zero.value.sqlstate, zero.value.diag.constraint_name) == ("23514", "job_cost_positive")
+    assert "a job's cost is a whole number of at least 1" in str(errors.translate(zero.value))
     assert isinstance(errors.translate(refused.value), errors.CostOverRate)
     row = conn.execute("SELECT count(*) AS n FROM pglane.jobs WHERE lane = %s", (lane,)).fetchone()
     assert row is not None and row["n"] == 0

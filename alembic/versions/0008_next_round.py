@@ -34,11 +34,15 @@ RATE_BEFORE = """
         ADD CONSTRAINT lane_rate_valid CHECK ((rate_limit IS NULL) = (rate_period IS NULL)
             AND (rate_limit IS NULL OR rate_limit BETWEEN 1 AND 1000000)
             AND (rate_period IS NULL OR rate_period BETWEEN '1 second' AND '1 day'));
-    ALTER TABLE pglane.jobs ADD COLUMN cost integer NOT NULL DEFAULT 1,
-        ADD CONSTRAINT job_cost_positive CHECK (cost >= 1);
+    -- A domain, not a table CHECK: a table CHECK is read again from its stored text and evaluated on
+    -- every UPDATE of a job (claim and complete included, about 10,000 instructions each); a domain's
+    -- is checked only where a cost is written.
+    CREATE DOMAIN pglane.job_cost AS integer CONSTRAINT job_cost_positive CHECK (VALUE >= 1);
+    ALTER TABLE pglane.jobs ADD COLUMN cost pglane.job_cost NOT NULL DEFAULT 1;
     ALTER TABLE pglane.lane_counters ADD COLUMN window_cost bigint NOT NULL DEFAULT 0;
     CREATE TABLE pglane.lane_starts (
-        lane_id    integer     NOT NULL REFERENCES pglane.lanes (id) ON DELETE CASCADE,
+        lane_id    integer     NOT NULL,  -- no foreign key: its check would lock the lane's row at every
+                                          -- start; lanes_after_delete (lanes.sql) deletes a lane's starts
         seq        bigint      NOT NULL,
         started_at timestamptz NOT NULL,
         cost       integer     NOT NULL,
@@ -67,6 +71,9 @@ RATE_UNDO_BEFORE = """
     DROP TABLE pglane.lane_starts;
     ALTER TABLE pglane.lane_counters DROP COLUMN window_cost;
     ALTER TABLE pglane.jobs DROP COLUMN cost;
+    DROP DOMAIN pglane.job_cost;
+    DROP TRIGGER lanes_after_delete ON pglane.lanes;
+    DROP FUNCTION pglane.lanes_after_delete();
     ALTER TABLE pglane.lanes DROP COLUMN rate_limit, DROP COLUMN rate_period;
 """
 RATE_UNDO_AFTER = """
