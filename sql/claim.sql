@@ -53,9 +53,9 @@ BEGIN
            CASE WHEN l.rate_limit IS NOT NULL THEN
                (SELECT c FROM pglane.lane_counters c WHERE c.lane_id = l.id) END AS counters,
            CASE WHEN l.rate_limit IS NOT NULL THEN
-               (SELECT j.cost FROM pglane.jobs j
+               (SELECT ARRAY[j.id, j.cost] FROM pglane.jobs j
                  WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()
-                 ORDER BY j.created_at, j.id LIMIT 1) END AS head_cost
+                 ORDER BY j.created_at, j.id LIMIT 1) END AS head
       INTO v_look FROM pglane.lanes l WHERE l.name = p_lane;
     v_lane := v_look.lane;
     IF NOT FOUND THEN
@@ -113,7 +113,7 @@ BEGIN
     -- only overstate the use). With no room, nothing is claimed; wait_seconds says when this slot's
     -- turn comes.
     IF v_lane.rate_limit IS NOT NULL THEN
-        v_cost := v_look.head_cost;
+        v_cost := v_look.head[2];
         v_window := (v_look.counters).window_cost;
         v_last_seq := (v_look.counters).last_seq;
         IF v_cost IS NULL THEN  -- nothing eligible
@@ -135,13 +135,21 @@ BEGIN
         -- overstates the use, never understates it; whenever the answer depends on it, it is exact.
         -- The counters row is locked before the job is looked for (the job's subquery refers to it, so
         -- it runs inside the join, once the lock is ours): a job locked by a claim that is refused
-        -- after all is never skipped for the one behind it, so the lane starts in service order.
+        -- after all is never skipped for the one behind it, so the lane starts in service order. The
+        -- job looked for first is the head the look saw, by its key (one index probe, not a second
+        -- walk of the queue); only when another claim took it meanwhile is the queue walked again.
         SELECT c.last_seq, c.window_cost, h.id, h.cost INTO v_last_seq, v_window, r.job_id, v_cost
           FROM (SELECT c.lane_id, c.last_seq, c.window_cost FROM pglane.lane_counters c
                  WHERE c.lane_id = v_lane.id FOR UPDATE) c
           LEFT JOIN LATERAL (SELECT j.id, j.cost FROM pglane.jobs j
-                              WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now() AND c.last_seq >= 0
-                              ORDER BY j.created_at, j.id LIMIT 1 FOR UPDATE SKIP LOCKED) h ON true;
+                              WHERE j.id = v_look.head[1] AND j.in_queue AND j.run_after <= now()
+                                AND c.last_seq >= 0
+                                FOR UPDATE SKIP LOCKED) h ON true;
+        IF r.job_id IS NULL THEN
+            SELECT j.id, j.cost INTO r.job_id, v_cost FROM pglane.jobs j
+             WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()
+             ORDER BY j.created_at, j.id LIMIT 1 FOR UPDATE SKIP LOCKED;
+        END IF;
         v_at := clock_timestamp();  -- read once the lock is ours: no start can commit before it now
         IF v_window + 2 * coalesce(v_cost, 0) > v_lane.rate_limit OR v_last_seq % 32 = 31 THEN
             WITH gone AS (DELETE FROM pglane.lane_starts s

@@ -177,6 +177,9 @@ def test_a_promoted_synchronous_standby_loses_no_job_and_pays_for_nothing_twice(
                                              "before"})
             jobs.append(gated)
         jobs += [pglane.enqueue(c, LANE, {"sleep": 0.005}) for _ in range(JOBS // 2)]
+        if gated is None:  # a random kill must find the worker busy: work left for seconds after the moment,
+            # even if this process is held up while the worker runs on (a loaded machine)
+            jobs += [pglane.enqueue(c, LANE, {"sleep": 0.005}) for _ in range(3 * JOBS)]
     fleet = Workers(pair.dsn, ledger, tmp_path)
     producer = Producer(pair.dsn, f"p{seed}")
     try:
