@@ -52,7 +52,7 @@ BEGIN
     SELECT l AS lane,
            CASE WHEN l.rate_limit IS NOT NULL THEN
                (SELECT c FROM pglane.lane_counters c WHERE c.lane_id = l.id) END AS counters,
-           CASE WHEN l.rate_limit IS NOT NULL THEN
+           CASE WHEN l.rate_limit IS NOT NULL AND l.weighted THEN
                (SELECT ARRAY[j.id, j.cost] FROM pglane.jobs j
                  WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()
                  ORDER BY j.created_at, j.id LIMIT 1) END AS head
@@ -112,8 +112,12 @@ BEGIN
     -- starts are summed only when the counter alone leaves no room (window_cost includes them: it can
     -- only overstate the use). With no room, nothing is claimed; wait_seconds says when this slot's
     -- turn comes.
+    -- A lane none of whose jobs ever cost more than 1 (lanes.weighted false) needs no head in the look:
+    -- every start costs 1. Its job is then locked before the counters row, as on an unlimited lane, so
+    -- an empty lane writes nothing either; a start refused after that lock (only when concurrent starts
+    -- filled the window in between) leaves its job untouched, unlocked at commit.
     IF v_lane.rate_limit IS NOT NULL THEN
-        v_cost := v_look.head[2];
+        v_cost := CASE WHEN v_lane.weighted THEN v_look.head[2] ELSE 1 END;
         v_window := (v_look.counters).window_cost;
         v_last_seq := (v_look.counters).last_seq;
         IF v_cost IS NULL THEN  -- nothing eligible
@@ -124,6 +128,10 @@ BEGIN
             v_window := v_window - coalesce((SELECT sum(s.cost) FROM pglane.lane_starts s
                                               WHERE s.lane_id = v_lane.id AND s.started_at <= v_at - v_lane.rate_period), 0);
             IF v_window + v_cost > v_lane.rate_limit THEN
+                IF NOT v_lane.weighted AND NOT EXISTS (
+                        SELECT FROM pglane.jobs j WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()) THEN
+                    RETURN r;  -- nothing eligible: not held back by the rate
+                END IF;
                 RETURN pglane.rate_refusal(r, v_lane, v_window, v_cost, v_slot, v_last_seq, v_at);
             END IF;
         END IF;
@@ -138,17 +146,28 @@ BEGIN
         -- after all is never skipped for the one behind it, so the lane starts in service order. The
         -- job looked for first is the head the look saw, by its key (one index probe, not a second
         -- walk of the queue); only when another claim took it meanwhile is the queue walked again.
-        SELECT c.last_seq, c.window_cost, h.id, h.cost INTO v_last_seq, v_window, r.job_id, v_cost
-          FROM (SELECT c.lane_id, c.last_seq, c.window_cost FROM pglane.lane_counters c
-                 WHERE c.lane_id = v_lane.id FOR UPDATE) c
-          LEFT JOIN LATERAL (SELECT j.id, j.cost FROM pglane.jobs j
-                              WHERE j.id = v_look.head[1] AND j.in_queue AND j.run_after <= now()
-                                AND c.last_seq >= 0
-                                FOR UPDATE SKIP LOCKED) h ON true;
-        IF r.job_id IS NULL THEN
+        IF v_lane.weighted THEN
+            SELECT c.last_seq, c.window_cost, h.id, h.cost INTO v_last_seq, v_window, r.job_id, v_cost
+              FROM (SELECT c.lane_id, c.last_seq, c.window_cost FROM pglane.lane_counters c
+                     WHERE c.lane_id = v_lane.id FOR UPDATE) c
+              LEFT JOIN LATERAL (SELECT j.id, j.cost FROM pglane.jobs j
+                                  WHERE j.id = v_look.head[1] AND j.in_queue AND j.run_after <= now()
+                                    AND c.last_seq >= 0
+                                    FOR UPDATE SKIP LOCKED) h ON true;
+            IF r.job_id IS NULL THEN
+                SELECT j.id, j.cost INTO r.job_id, v_cost FROM pglane.jobs j
+                 WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()
+                 ORDER BY j.created_at, j.id LIMIT 1 FOR UPDATE SKIP LOCKED;
+            END IF;
+        ELSE
             SELECT j.id, j.cost INTO r.job_id, v_cost FROM pglane.jobs j
              WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()
              ORDER BY j.created_at, j.id LIMIT 1 FOR UPDATE SKIP LOCKED;
+            IF NOT FOUND THEN
+                RETURN r;
+            END IF;
+            SELECT c.last_seq, c.window_cost INTO v_last_seq, v_window
+              FROM pglane.lane_counters c WHERE c.lane_id = v_lane.id FOR UPDATE;
         END IF;
         v_at := clock_timestamp();  -- read once the lock is ours: no start can commit before it now
         IF v_window + 2 * coalesce(v_cost, 0) > v_lane.rate_limit OR v_last_seq % 32 = 31 THEN

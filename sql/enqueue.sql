@@ -12,8 +12,9 @@ DECLARE
     v_size      integer;
     v_rate      integer;
     v_period    interval;
+    v_weighted  boolean;
 BEGIN
-    SELECT l.max_payload_bytes, l.rate_limit, l.rate_period INTO v_max_bytes, v_rate, v_period
+    SELECT l.max_payload_bytes, l.rate_limit, l.rate_period, l.weighted INTO v_max_bytes, v_rate, v_period, v_weighted
       FROM pglane.lanes l WHERE l.name = NEW.lane;
     IF NOT FOUND THEN
         RAISE EXCEPTION USING ERRCODE = 'PGL01',
@@ -66,6 +67,12 @@ BEGIN
             MESSAGE = format('job cost %s exceeds the rate of lane %L (%s): it could never start',
                              NEW.cost, NEW.lane, pglane.rate_text(v_rate, v_period)),
             HINT = 'split the job, or raise the lane''s rate: pglane lane set NAME --rate N/PERIOD';
+    END IF;
+    -- The first job of the lane that costs more than 1 makes it weighted, for good: its claims then
+    -- look at the head job's cost before they take the counters row (claim_impl). Rolled back with
+    -- this insert if it is.
+    IF NEW.cost > 1 AND NOT v_weighted THEN
+        UPDATE pglane.lanes l SET weighted = true WHERE l.name = NEW.lane AND NOT l.weighted;
     END IF;
     NEW.created_at := now();  -- service order is the server's, not the client's
     NEW.enqueued_by := pglane.caller();  -- producers see their own jobs only

@@ -152,6 +152,57 @@ def test_a_refused_claim_writes_nothing_and_says_when_the_next_start_is(
     assert job is not None and job["waiting_for_worker"] is False  # held by the rate, not by a missing worker
 
 
+def weighted(conn: Conn, lane: str) -> bool:
+    row = conn.execute("SELECT weighted FROM pglane.lanes WHERE name = %s", (lane,)).fetchone()
+    assert row is not None
+    return bool(row["weighted"])
+
+
+def claim_writes(worker: Any, lane: str) -> tuple[dict[str, Any], Any]:
+    """One claim in an open transaction: its row, and the transaction id it took (None: it wrote nothing,
+    not even a row lock); rolled back."""
+    worker.autocommit = False
+    try:
+        row = worker.execute("SELECT * FROM pglane.claim_or_wait(%s, 'w')", (lane,)).fetchone()
+        xid = worker.execute("SELECT pg_current_xact_id_if_assigned() AS xid").fetchone()["xid"]
+    finally:
+        worker.rollback()
+        worker.autocommit = True
+    return row, xid
+
+
+def test_a_lane_is_weighted_from_its_first_job_costing_more_than_one(conn: Conn, lane: str) -> None:
+    set_lane(conn, lane, rate="10/min")
+    enqueue_many(conn, lane, [1, 1])
+    assert not weighted(conn, lane)
+    with pytest.raises(psycopg.errors.RaiseException), conn.transaction():
+        enqueue_many(conn, lane, [3])
+        conn.execute("DO $$ BEGIN RAISE EXCEPTION 'changed my mind'; END $$")
+    assert not weighted(conn, lane)  # rolled back with the insert
+    conn.execute("INSERT INTO pglane.jobs (lane, payload, cost) VALUES (%s, '{}', 2)", (lane,))
+    assert weighted(conn, lane)
+
+
+@pytest.mark.parametrize("costs", [[1, 1, 1], [1, 1, 2]], ids=["unweighted", "weighted"])
+def test_an_empty_or_full_limited_lane_is_refused_without_a_write(
+        conn: Conn, lane: str, session: Any, costs: list[int]) -> None:
+    set_lane(conn, lane, rate="2/min")
+    worker = session()
+    take_slot(worker, lane)
+    row, xid = claim_writes(worker, lane)  # empty: nothing eligible, nothing written, not a rate wait
+    assert row["job_id"] is None and row["wait_reason"] is None and xid is None
+    enqueue_many(conn, lane, costs)
+    assert weighted(conn, lane) is (max(costs) > 1)
+    for _ in range(2):
+        row = worker.execute("SELECT * FROM pglane.claim_or_wait(%s, 'w')", (lane,)).fetchone()
+        assert row is not None and row["job_id"] is not None
+    row, xid = claim_writes(worker, lane)  # the window is full: held back by the rate, nothing written
+    assert row["job_id"] is None and row["wait_reason"] == "rate" and xid is None
+    conn.execute("DELETE FROM pglane.jobs WHERE lane = %s AND status = 'queued'", (lane,))
+    row, xid = claim_writes(worker, lane)  # full window, empty queue: nothing eligible, not the rate
+    assert row["job_id"] is None and row["wait_reason"] is None and xid is None
+
+
 def test_the_window_starts_when_the_rate_is_set(conn: Conn, lane: str, session: Any) -> None:
     enqueue_many(conn, lane, [1] * 5)
     worker = session()

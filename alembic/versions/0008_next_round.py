@@ -40,6 +40,10 @@ RATE_BEFORE = """
     CREATE DOMAIN pglane.job_cost AS integer CONSTRAINT job_cost_positive CHECK (VALUE >= 1);
     ALTER TABLE pglane.jobs ADD COLUMN cost pglane.job_cost NOT NULL DEFAULT 1;
     ALTER TABLE pglane.lane_counters ADD COLUMN window_cost bigint NOT NULL DEFAULT 0;
+    ALTER TABLE pglane.lanes ADD COLUMN weighted boolean NOT NULL DEFAULT false;
+    COMMENT ON COLUMN pglane.lanes.weighted IS
+        'a job of this lane has cost more than 1 (set by the first such enqueue, never unset): its rate-limited'
+        ' claims read the head job''s cost first';
     CREATE TABLE pglane.lane_starts (
         lane_id    integer     NOT NULL,  -- no foreign key: its check would lock the lane's row at every
                                           -- start; lanes_after_delete (lanes.sql) deletes a lane's starts
@@ -74,7 +78,7 @@ RATE_UNDO_BEFORE = """
     DROP DOMAIN pglane.job_cost;
     DROP TRIGGER lanes_after_delete ON pglane.lanes;
     DROP FUNCTION pglane.lanes_after_delete();
-    ALTER TABLE pglane.lanes DROP COLUMN rate_limit, DROP COLUMN rate_period;
+    ALTER TABLE pglane.lanes DROP COLUMN rate_limit, DROP COLUMN rate_period, DROP COLUMN weighted;
 """
 RATE_UNDO_AFTER = """
     GRANT EXECUTE ON FUNCTION pglane.enqueue(text, jsonb, text, timestamptz, text) TO pglane_producer;
