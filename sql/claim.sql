@@ -47,6 +47,7 @@ DECLARE
     v_last_seq bigint;
     v_expired bigint := 0;
     v_look    record;           -- the lane, and a rate-limited lane's look (below), read in one statement
+    v_started boolean := false; -- a rate-limited lane's start already counted and recorded (the fast path)
     r         pglane.claimed;
 BEGIN
     SELECT l AS lane,
@@ -166,25 +167,52 @@ BEGIN
             IF NOT FOUND THEN
                 RETURN r;
             END IF;
-            SELECT c.last_seq, c.window_cost INTO v_last_seq, v_window
-              FROM pglane.lane_counters c WHERE c.lane_id = v_lane.id FOR UPDATE;
-        END IF;
-        v_at := clock_timestamp();  -- read once the lock is ours: no start can commit before it now
-        IF v_window + 2 * coalesce(v_cost, 0) > v_lane.rate_limit OR v_last_seq % 32 = 31 THEN
-            WITH gone AS (DELETE FROM pglane.lane_starts s
-                           WHERE s.lane_id = v_lane.id AND s.started_at <= v_at - v_lane.rate_period RETURNING s.cost)
-            SELECT coalesce(sum(gone.cost), 0) INTO v_expired FROM gone;
-            v_window := v_window - v_expired;
-        END IF;
-        IF r.job_id IS NULL OR v_window + v_cost > v_lane.rate_limit THEN
-            IF v_expired > 0 THEN  -- the deleted starts leave the counter too (the lock is ours anyway)
-                UPDATE pglane.lane_counters c SET window_cost = c.window_cost - v_expired WHERE c.lane_id = v_lane.id;
+            -- Room in plenty (the look's counter, which can only understate the use, leaves room for
+            -- this start and one more, and no purge is due): the counters row is locked, checked and
+            -- bumped, and the start recorded, in one statement. The check is made on the row as
+            -- locked (an UPDATE re-reads a row another claim changed meanwhile), the start's time read
+            -- once the lock is ours. Otherwise, or if that check fails, the row is locked on its own
+            -- and the steps below decide.
+            IF v_window + 2 * v_cost <= v_lane.rate_limit AND v_last_seq % 32 <> 31 THEN
+                WITH bumped AS (
+                    UPDATE pglane.lane_counters c
+                       SET last_seq = c.last_seq + 1,
+                           left_queue = c.left_queue + (v_lane.max_queued IS NOT NULL)::integer,
+                           window_cost = c.window_cost + v_cost
+                     WHERE c.lane_id = v_lane.id AND c.window_cost + 2 * v_cost <= v_lane.rate_limit
+                       AND c.last_seq % 32 <> 31
+                    RETURNING c.last_seq
+                ), started AS (
+                    INSERT INTO pglane.lane_starts AS s (lane_id, seq, started_at, cost)
+                    SELECT v_lane.id, bumped.last_seq, clock_timestamp(), v_cost FROM bumped
+                    RETURNING s.started_at
+                )
+                SELECT bumped.last_seq, started.started_at INTO r.seq, v_at FROM bumped, started;
+                v_started := FOUND;
             END IF;
-            IF r.job_id IS NULL THEN
-                RETURN r;
+            IF NOT v_started THEN
+                SELECT c.last_seq, c.window_cost INTO v_last_seq, v_window
+                  FROM pglane.lane_counters c WHERE c.lane_id = v_lane.id FOR UPDATE;
             END IF;
-            r.job_id := NULL;
-            RETURN pglane.rate_refusal(r, v_lane, v_window, v_cost, v_slot, v_last_seq, v_at);
+        END IF;
+        IF NOT v_started THEN
+            v_at := clock_timestamp();  -- read once the lock is ours: no start can commit before it now
+            IF v_window + 2 * coalesce(v_cost, 0) > v_lane.rate_limit OR v_last_seq % 32 = 31 THEN
+                WITH gone AS (DELETE FROM pglane.lane_starts s
+                               WHERE s.lane_id = v_lane.id AND s.started_at <= v_at - v_lane.rate_period RETURNING s.cost)
+                SELECT coalesce(sum(gone.cost), 0) INTO v_expired FROM gone;
+                v_window := v_window - v_expired;
+            END IF;
+            IF r.job_id IS NULL OR v_window + v_cost > v_lane.rate_limit THEN
+                IF v_expired > 0 THEN  -- the deleted starts leave the counter too (the lock is ours anyway)
+                    UPDATE pglane.lane_counters c SET window_cost = c.window_cost - v_expired WHERE c.lane_id = v_lane.id;
+                END IF;
+                IF r.job_id IS NULL THEN
+                    RETURN r;
+                END IF;
+                r.job_id := NULL;
+                RETURN pglane.rate_refusal(r, v_lane, v_window, v_cost, v_slot, v_last_seq, v_at);
+            END IF;
         END IF;
     ELSE
         SELECT j.id INTO r.job_id
@@ -204,7 +232,7 @@ BEGIN
                left_queue = c.left_queue + (v_lane.max_queued IS NOT NULL)::integer
          WHERE c.lane_id = v_lane.id
         RETURNING c.last_seq INTO r.seq;
-    ELSE  -- the start is recorded in the same statement: one round through the executor, not two
+    ELSIF NOT v_started THEN  -- the start is recorded in the same statement: one round through the executor
         WITH bumped AS (
             UPDATE pglane.lane_counters c
                SET last_seq = c.last_seq + 1,
