@@ -30,8 +30,6 @@ from pathlib import Path
 
 from pglane import pgbin
 
-from .server import with_db
-
 # A slot-holding consumer's loop, all inside the server: claim once, then complete_and_claim p_jobs
 # times, each job its own transaction (a procedure may COMMIT), as pglane worker's fast path does.
 DRAIN = """
@@ -126,7 +124,3 @@ def cluster() -> Iterator[Cluster]:
         yield Cluster(root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-
-
-def database_dsn(admin_dsn: str, db: str) -> str:
-    return with_db(admin_dsn, db)
