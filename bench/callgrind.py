@@ -12,8 +12,8 @@ What it does not see: the client, the round trip and the kernel (the commit's WA
 call: counted as the instructions that issue it, not the time it waits). Both sides of a comparison
 pay those alike.
 
-Used by ``python -m bench.scale --instructions`` (#19, point 2) and ``python -m bench.rates
---instructions`` (#21).
+Used by ``python -m bench.scale --only instructions`` (#19, point 2) and ``python -m bench.rates
+--only instructions`` (#21).
 """
 
 from __future__ import annotations
@@ -24,11 +24,17 @@ import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import psycopg
+from psycopg import sql
+
 from pglane import pgbin
+
+from .server import with_db
+from .stats import progress, progress_done
 
 # A slot-holding consumer's loop, all inside the server: claim once, then complete_and_claim p_jobs
 # times, each job its own transaction (a procedure may COMMIT), as pglane worker's fast path does.
@@ -124,3 +130,41 @@ def cluster() -> Iterator[Cluster]:
         yield Cluster(root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+HISTORY = 500  # jobs each database drains (uncounted) before the counted rounds
+
+
+def interleaved_drains(setups: Mapping[str, Callable[[str], None]], jobs: int,
+                       rounds: int) -> dict[str, list[float]]:
+    """Instructions per job of lane ``cc`` drained through complete_and_claim, one database per entry
+    of ``setups`` (named by its key), ``rounds`` times, the order reversed every other round so that
+    a drift in the tables' state falls on every side alike. ``setups[name](dsn)`` makes the schema
+    and creates lane cc in a fresh database; the jobs are queued here, and
+    each drain follows a VACUUM of the job tables (autovacuum does not run in a single-user backend)."""
+    names = list(setups)
+    with cluster() as found:
+        with found.running() as admin:
+            with psycopg.connect(admin, autocommit=True) as conn:
+                for name in names:
+                    conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+            for name in names:
+                setups[name](with_db(admin, name))
+                with psycopg.connect(with_db(admin, name), autocommit=True) as conn:
+                    conn.execute("INSERT INTO pglane.jobs (lane, payload)"
+                                 " SELECT 'cc', '{}' FROM generate_series(1, %s)",
+                                 (HISTORY + (jobs + 40) * (rounds + 1),))
+                    conn.execute(DRAIN)
+                    # A history first, then the planner's statistics: analysed empty, the job tables
+                    # would be planned as empty (sequential scans, cached for the session), unlike
+                    # a server whose autovacuum has seen them.
+                    conn.execute("CALL public.callgrind_drain('cc', %s)", (HISTORY,))
+                    conn.execute("VACUUM ANALYZE")
+        counts: dict[str, list[float]] = {name: [] for name in names}
+        for r in range(rounds):
+            for name in (names if r % 2 == 0 else names[::-1]):
+                total = found.drain_instructions(name, "cc", jobs, setup="VACUUM pglane.jobs;\nVACUUM pglane.attempts;")
+                counts[name].append(total / jobs)
+                progress(f"instructions round {r + 1}/{rounds}: {name} {total / jobs:,.0f}/job")
+    progress_done()
+    return counts

@@ -9,7 +9,7 @@ from __future__ import annotations
 import signal
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any, LiteralString
@@ -31,6 +31,17 @@ ENQ_LANES = {"enq": None, "enq_unbounded": None, "enq_bounded": 100_000_000}
 FLOOR_LANE = "floor"
 # A plain INSERT, as a producer in any language enqueues (pglane's own enqueue is queries.ENQUEUE).
 INSERT: LiteralString = "INSERT INTO pglane.jobs (lane, payload) VALUES (%s, %s::jsonb)"
+
+
+def insert_params(lane: str, payload: str) -> tuple[str, str]:
+    """INSERT's parameters."""
+    return (lane, payload)
+
+
+def enqueue_params(lane: str, payload: str) -> tuple[str, str, None, None, str, int]:
+    """queries.ENQUEUE's parameters for one job: no idempotency key, no run_after, an error if the
+    lane is full, cost 1 (the order of pglane.enqueue's arguments, as pglane.statements sends them)."""
+    return (lane, payload, None, None, "error", 1)
 
 
 def lane_id(conn: psycopg.Connection[Any], name: str) -> int:
@@ -119,7 +130,7 @@ class Pglane(RealSystem):
 
     def producer(self, dsn: str) -> AbstractAsyncContextManager[Put]:
         lane = self.lane
-        return sql_producer(dsn, queries.ENQUEUE, lambda n: (lane, f'{{"n": {n}}}', None, None, "error"))
+        return sql_producer(dsn, queries.ENQUEUE, lambda n: enqueue_params(lane, f'{{"n": {n}}}'))
 
 
 # ----- claim latency ---------------------------------------------------------------------------
@@ -184,10 +195,9 @@ def takeover(dsn: str, admin_dsn: str, kills: int, logs: Path) -> dict[str, Any]
                 with procs.running(args, logs / "takeover-standby.log", env) as standby:
                     wait_until(lambda: _slot_state(conn, lid)[1] == 1, 30, "the standby to wait")
                     first, second = 2 * k, 2 * k + 1
-                    conn.execute(queries.ENQUEUE, (TAKEOVER_LANE, f'{{"n": {first}, "sleep": 60}}', None, None,
-                                                   "error"))
+                    conn.execute(queries.ENQUEUE, enqueue_params(TAKEOVER_LANE, f'{{"n": {first}, "sleep": 60}}'))
                     wait_until(procs.has_stamp(stamps_file, first), 30, "the active worker's call")
-                    conn.execute(queries.ENQUEUE, (TAKEOVER_LANE, f'{{"n": {second}}}', None, None, "error"))
+                    conn.execute(queries.ENQUEUE, enqueue_params(TAKEOVER_LANE, f'{{"n": {second}}}'))
                     killed_at = time.time()
                     active.send_signal(signal.SIGKILL)
                     wait_until(procs.has_stamp(stamps_file, second), 30, "the standby to take over")
@@ -199,11 +209,12 @@ def takeover(dsn: str, admin_dsn: str, kills: int, logs: Path) -> dict[str, Any]
 
 # ----- enqueue throughput ----------------------------------------------------------------------
 
-def _one_by_one(query: LiteralString, lane: str, *rest: str | None) -> Callable[[psycopg.Connection[Any], int], None]:
-    """Job n enqueued with one autocommitted ``query`` each, its parameters (lane, payload, *rest)."""
+def _one_by_one(query: LiteralString, lane: str,
+                params: Callable[[str, str], Sequence[object]]) -> Callable[[psycopg.Connection[Any], int], None]:
+    """Job n enqueued with one autocommitted ``query`` each, its parameters params(lane, payload)."""
     def run(conn: psycopg.Connection[Any], n: int) -> None:
         for i in range(n):
-            conn.execute(query, (lane, f'{{"n": {i}}}', *rest))
+            conn.execute(query, params(lane, f'{{"n": {i}}}'))
 
     return run
 
@@ -214,11 +225,11 @@ def _batch(conn: psycopg.Connection[Any], n: int) -> None:
 
 
 ENQUEUE_VARIANTS: dict[str, Callable[[psycopg.Connection[Any], int], None]] = {
-    "insert": _one_by_one(INSERT, "enq"),
-    "enqueue_fn": _one_by_one(queries.ENQUEUE, "enq", None, None, "error"),  # no key, no run_after
+    "insert": _one_by_one(INSERT, "enq", insert_params),
+    "enqueue_fn": _one_by_one(queries.ENQUEUE, "enq", enqueue_params),
     "batch_executemany": _batch,
-    "insert_unbounded_100k": _one_by_one(INSERT, "enq_unbounded"),
-    "insert_bounded_100k": _one_by_one(INSERT, "enq_bounded"),
+    "insert_unbounded_100k": _one_by_one(INSERT, "enq_unbounded", insert_params),
+    "insert_bounded_100k": _one_by_one(INSERT, "enq_bounded", insert_params),
 }
 
 

@@ -1,7 +1,7 @@
 """What a rate limit costs, and how close a limited lane gets to its limit (#21):
-`python -m bench.rates [--jobs N] [--rounds R] [--claims M] [--seconds S]`.
+`python -m bench.rates [--jobs N] [--rounds R] [--claims M] [--seconds S] [--only NAME ...]`.
 
-Three measurements, each on the same server, interleaved so that machine noise hits each case alike:
+Four measurements, each on the same server, interleaved so that machine noise hits each case alike:
 
 - ``throughput``: one real `pglane worker` (bench.handlers:noop) drains N queued jobs of a fresh lane,
   unlimited against ``--rate 1000000/min`` (generous: never refuses, but every claim records its start
@@ -10,12 +10,18 @@ Three measurements, each on the same server, interleaved so that machine noise h
   bootstrap interval. Issue #21's bound: at least 0.90 (the limit costs at most 10 %).
 - ``claim``: one session holding a slot claims and completes M jobs, alternating between the two lanes
   claim by claim; the claim's own latency (p50, p99) and the p50 ratio with a paired bootstrap interval.
+- ``instructions`` (needs valgrind; on a cluster of its own, whatever PGLANE_DSN says): the server's
+  instructions per job of a slot draining a generous lane through complete_and_claim against an
+  unlimited one (bench.callgrind: a single-user backend, counted, not timed), interleaved rounds,
+  the ratio per round, its median and a bootstrap interval against the same 1.10. What the limit
+  costs the server, free of the machine's noise and of the commit's flush (which the claim-latency
+  figure includes: a slower flush dilutes it).
 - ``achieved``: three worker processes on a three-slot lane limited to R/s with a full queue for S
   seconds; the starts per second over the whole windows after the first start, against the limit
   (bound: at least 0.95), the busiest window (never above the limit) and the claims per start (from
   the workers' metrics is not available here: from pg_stat_user_functions, the calls of the claim).
 
-It starts its own embedded PostgreSQL (fsync on) unless PGLANE_DSN is set.
+The timed ones start their own embedded PostgreSQL (fsync on) unless PGLANE_DSN is set.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +42,7 @@ import psycopg
 import pglane
 from pglane import queries, schema
 
+from . import callgrind
 from .pglane_runs import claim_and_complete, lane_id, load_queued
 from .stats import latency_ms, median_interval, ratio_interval, verdict
 from .waiters import ROOT, database, drain, insert_jobs
@@ -84,6 +91,25 @@ def claim_latency(dsn: str, conn: psycopg.Connection[Any], claims: int) -> dict[
             "p50_ratio": ratio, "interval_90": interval, "verdict": verdict(interval, ratio, "<=", 1.10)}
 
 
+def instructions(jobs: int, rounds: int) -> dict[str, Any]:
+    def lane(rate: str | None) -> Callable[[str], None]:
+        def setup(dsn: str) -> None:
+            schema.upgrade(dsn)
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                pglane.create_lane(conn, "cc", job_timeout=60, rate=rate)
+        return setup
+
+    counts = callgrind.interleaved_drains({"rates_unlimited": lane(None), "rates_generous": lane(GENEROUS)},
+                                          jobs, rounds)
+    ratios = [g / u for g, u in zip(counts["rates_generous"], counts["rates_unlimited"], strict=True)]
+    interval = median_interval(ratios)
+    ratio = statistics.median(ratios)
+    return {"jobs_per_round": jobs, "rounds": rounds,
+            "unlimited": statistics.median(counts["rates_unlimited"]),
+            "generous": statistics.median(counts["rates_generous"]),
+            "ratio": ratio, "interval_90": interval, "verdict": verdict(interval, ratio, "<=", 1.10)}
+
+
 def busiest(starts: Sequence[float], period: float) -> int:
     """The most starts in any half-open window (t - period, t]."""
     most, lo = 0, 0
@@ -129,33 +155,65 @@ def achieved(dsn: str, conn: psycopg.Connection[Any], seconds: int) -> dict[str,
             "claims_per_start": (int(calls["n"]) / len(starts)) if calls and starts else None}
 
 
+SCENARIOS = ("throughput", "claim", "achieved", "instructions")
+
+
+def report(name: str, found: dict[str, Any]) -> str:
+    """One measurement's line of the summary."""
+    if "skipped" in found:
+        return f"{name}: skipped ({found['skipped']})"
+    if name == "throughput":
+        return (f"throughput, one worker, {found['jobs']} jobs x {len(found['jobs_per_s']['unlimited'])} rounds:"
+                f" unlimited {statistics.median(found['jobs_per_s']['unlimited']):,.0f} jobs/s, {GENEROUS} "
+                f"{statistics.median(found['jobs_per_s']['generous']):,.0f} jobs/s; ratio {found['ratio']:.3f} "
+                f"[{found['interval_90'][0]:.3f}-{found['interval_90'][1]:.3f}] >= 0.90: {found['verdict']}")
+    if name == "claim":
+        return (f"claim latency p50: unlimited {found['unlimited']['p50_ms']:.3f} ms, generous "
+                f"{found['generous']['p50_ms']:.3f} ms (p99 {found['unlimited']['p99_ms']:.3f} / "
+                f"{found['generous']['p99_ms']:.3f}); ratio {found['p50_ratio']:.3f} "
+                f"[{found['interval_90'][0]:.3f}-{found['interval_90'][1]:.3f}] <= 1.10: {found['verdict']}")
+    if name == "instructions":
+        return (f"instructions per claim and completion ({found['rounds']} x {found['jobs_per_round']} jobs):"
+                f" unlimited {found['unlimited']:,.0f}, {GENEROUS} {found['generous']:,.0f}; ratio "
+                f"{found['ratio']:.3f} [{found['interval_90'][0]:.3f}-{found['interval_90'][1]:.3f}] <= 1.10:"
+                f" {found['verdict']}")
+    return (f"achieved: {found['starts']} starts in {found['seconds']} s on {LIMIT_PER_S}/s with 3 slots = "
+            f"{found['achieved_per_s']:.2f}/s, {found['ratio']:.3f} of the limit (>= 0.95: {found['verdict']});"
+            f" busiest window {found['busiest_window']} (limit {LIMIT_PER_S}); claims per start"
+            f" {found['claims_per_start']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.rates", description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=3000, help="jobs per drain (default 3000)")
     parser.add_argument("--rounds", type=int, default=5, help="drains of each case (default 5)")
     parser.add_argument("--claims", type=int, default=3000, help="claims of each case (default 3000)")
     parser.add_argument("--seconds", type=int, default=20, help="the achieved-rate run (default 20)")
+    parser.add_argument("--ic-jobs", type=int, default=300, help="jobs per counted drain (default 300)")
+    parser.add_argument("--ic-rounds", type=int, default=4, help="counted drains of each case (default 4)")
+    parser.add_argument("--only", nargs="*", choices=SCENARIOS, help="some of the measurements (default: all)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
-    with database() as dsn:
-        schema.upgrade(dsn)
-        with pglane.connect(dsn) as conn:
-            conn.execute("ALTER SYSTEM SET track_functions = 'pl'")
-            conn.execute("SELECT pg_reload_conf()")
-            found = {"throughput": throughput(dsn, conn, args.jobs, args.rounds),
-                     "claim": claim_latency(dsn, conn, args.claims),
-                     "achieved": achieved(dsn, conn, args.seconds)}
-    tp, cl, ach = found["throughput"], found["claim"], found["achieved"]
-    print(f"\nthroughput, one worker, {tp['jobs']} jobs x {args.rounds} rounds: unlimited "
-          f"{statistics.median(tp['jobs_per_s']['unlimited']):,.0f} jobs/s, {GENEROUS} "
-          f"{statistics.median(tp['jobs_per_s']['generous']):,.0f} jobs/s; ratio {tp['ratio']:.3f} "
-          f"[{tp['interval_90'][0]:.3f}-{tp['interval_90'][1]:.3f}] >= 0.90: {tp['verdict']}")
-    print(f"claim latency p50: unlimited {cl['unlimited']['p50_ms']:.3f} ms, generous {cl['generous']['p50_ms']:.3f} ms"
-          f" (p99 {cl['unlimited']['p99_ms']:.3f} / {cl['generous']['p99_ms']:.3f}); ratio {cl['p50_ratio']:.3f} "
-          f"[{cl['interval_90'][0]:.3f}-{cl['interval_90'][1]:.3f}] <= 1.10: {cl['verdict']}")
-    print(f"achieved: {ach['starts']} starts in {ach['seconds']} s on {LIMIT_PER_S}/s with 3 slots = "
-          f"{ach['achieved_per_s']:.2f}/s, {ach['ratio']:.3f} of the limit (>= 0.95: {ach['verdict']}); busiest "
-          f"window {ach['busiest_window']} (limit {LIMIT_PER_S}); claims per start {ach['claims_per_start']}")
+    only = [name for name in SCENARIOS if name in (args.only or SCENARIOS)]
+    found: dict[str, Any] = {}
+    if "instructions" in only:  # its own cluster, counted while stopped: before the timed ones
+        missing = callgrind.available()
+        found["instructions"] = {"skipped": missing} if missing else instructions(args.ic_jobs, args.ic_rounds)
+    if set(only) - {"instructions"}:
+        with database() as dsn:
+            schema.upgrade(dsn)
+            with pglane.connect(dsn) as conn:
+                conn.execute("ALTER SYSTEM SET track_functions = 'pl'")
+                conn.execute("SELECT pg_reload_conf()")
+                if "throughput" in only:
+                    found["throughput"] = throughput(dsn, conn, args.jobs, args.rounds)
+                if "claim" in only:
+                    found["claim"] = claim_latency(dsn, conn, args.claims)
+                if "achieved" in only:
+                    found["achieved"] = achieved(dsn, conn, args.seconds)
+    print()
+    for name in only:
+        print(report(name, found[name]))
     if args.json:
         args.json.write_text(json.dumps(found, indent=2, default=str))
     return 0

@@ -46,7 +46,7 @@ from pglane import client, queries, schema
 from . import callgrind
 from .pglane_runs import load_finished
 from .server import tune_embedded, with_db
-from .stats import median_interval, progress, progress_done, verdict
+from .stats import median_interval, verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 BEFORE = "9dca339"  # the last commit before #19's listing and lane_status work
@@ -188,31 +188,21 @@ def without_counts(dsn: str) -> None:
 def claim_complete_instructions(jobs: int, rounds: int) -> dict[str, Any]:
     """The same comparison in instructions (bench.callgrind): a single-user backend of an embedded
     cluster drains ``jobs`` jobs through complete_and_claim in each database, ``rounds`` times
-    interleaved, after a VACUUM of the job tables (autovacuum does not run in a single-user backend)."""
-    dbs = {True: "bench_scale", False: "bench_scale_without"}
-    with callgrind.cluster() as found:
-        with found.running() as admin:
-            with psycopg.connect(admin, autocommit=True) as conn:
-                for db in dbs.values():
-                    conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(db)))
-            schema.upgrade(with_db(admin, dbs[True]))
-            without_counts(with_db(admin, dbs[False]))
-            for db in dbs.values():
-                with psycopg.connect(with_db(admin, db), autocommit=True) as conn:
-                    client.create_lane(conn, "cc")
-                    conn.execute("INSERT INTO pglane.jobs (lane, payload)"
-                                 " SELECT 'cc', '{}' FROM generate_series(1, %s)", ((jobs + 40) * (rounds + 1),))
-                    conn.execute(callgrind.DRAIN)
-                    conn.execute("VACUUM ANALYZE")
-        counts: dict[bool, list[float]] = {True: [], False: []}
-        for r in range(rounds):
-            for on in ((True, False) if r % 2 == 0 else (False, True)):
-                total = found.drain_instructions(dbs[on], "cc", jobs,
-                                                 setup="VACUUM pglane.jobs;\nVACUUM pglane.attempts;")
-                counts[on].append(total / jobs)
-                progress(f"instructions round {r + 1}/{rounds}: {'with' if on else 'without'} {total / jobs:,.0f}/job")
-    progress_done()
-    return {"jobs_per_round": jobs, "rounds": rounds, "instructions_per_job": compare(counts, "<=", BOUND)}
+    interleaved."""
+    def with_counts(dsn: str) -> None:
+        schema.upgrade(dsn)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            client.create_lane(conn, "cc")
+
+    def without(dsn: str) -> None:
+        without_counts(dsn)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            client.create_lane(conn, "cc")
+
+    counts = callgrind.interleaved_drains({"bench_scale": with_counts, "bench_scale_without": without}, jobs, rounds)
+    return {"jobs_per_round": jobs, "rounds": rounds,
+            "instructions_per_job": compare({True: counts["bench_scale"], False: counts["bench_scale_without"]},
+                                            "<=", BOUND)}
 
 
 class Drainer:

@@ -105,97 +105,116 @@ BEGIN
         END IF;
     END IF;
 
-    -- A rate-limited lane: a start of the head job's cost must fit the window ending now (exact: under
-    -- the counters row lock, which every claim of the lane takes, on the database clock read after
-    -- it). Looked at first without the lock, in the statement that read the lane (no statement of
-    -- its own): what that sees can only be less than the committed use (starts it misses only add to
-    -- it), so a refusal there is right, and writes nothing, not even a row lock. The window's expired
-    -- starts are summed only when the counter alone leaves no room (window_cost includes them: it can
-    -- only overstate the use). With no room, nothing is claimed; wait_seconds says when this slot's
-    -- turn comes.
-    -- A lane none of whose jobs ever cost more than 1 (lanes.weighted false) needs no head in the look:
-    -- every start costs 1. Its job is then locked before the counters row, as on an unlimited lane, so
-    -- an empty lane writes nothing either; a start refused after that lock (only when concurrent starts
-    -- filled the window in between) leaves its job untouched, unlocked at commit.
-    IF v_lane.rate_limit IS NOT NULL THEN
-        v_cost := CASE WHEN v_lane.weighted THEN v_look.head[2] ELSE 1 END;
-        v_window := (v_look.counters).window_cost;
-        v_last_seq := (v_look.counters).last_seq;
-        IF v_cost IS NULL THEN  -- nothing eligible
+    IF v_lane.rate_limit IS NULL THEN
+        SELECT j.id INTO r.job_id
+          FROM pglane.jobs j
+         WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()
+         ORDER BY j.created_at, j.id
+         LIMIT 1
+           FOR UPDATE SKIP LOCKED;
+        IF NOT FOUND THEN
             RETURN r;
         END IF;
-        v_at := clock_timestamp();
-        IF v_window + v_cost > v_lane.rate_limit THEN
-            v_window := v_window - coalesce((SELECT sum(s.cost) FROM pglane.lane_starts s
-                                              WHERE s.lane_id = v_lane.id AND s.started_at <= v_at - v_lane.rate_period), 0);
-            IF v_window + v_cost > v_lane.rate_limit THEN
-                IF NOT v_lane.weighted AND NOT EXISTS (
-                        SELECT FROM pglane.jobs j WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()) THEN
-                    RETURN r;  -- nothing eligible: not held back by the rate
-                END IF;
-                RETURN pglane.rate_refusal(r, v_lane, v_window, v_cost, v_slot, v_last_seq, v_at);
-            END IF;
-        END IF;
-        -- Under the lock: the job itself and its cost (the head may have changed since the look), and
-        -- the window at v_at. Its expired starts are deleted (and taken off the counter in the UPDATE
-        -- below, or right here if the start is refused after all) when the counter alone would leave
-        -- no room for this start and one more like it, and at every 32nd start: one DELETE for many,
-        -- and the table stays as small as the window plus 32 starts. Until then the counter
-        -- overstates the use, never understates it; whenever the answer depends on it, it is exact.
-        -- The counters row is locked before the job is looked for (the job's subquery refers to it, so
-        -- it runs inside the join, once the lock is ours): a job locked by a claim that is refused
-        -- after all is never skipped for the one behind it, so the lane starts in service order. The
-        -- job looked for first is the head the look saw, by its key (one index probe, not a second
-        -- walk of the queue); only when another claim took it meanwhile is the queue walked again.
-        IF v_lane.weighted THEN
-            SELECT c.last_seq, c.window_cost, h.id, h.cost INTO v_last_seq, v_window, r.job_id, v_cost
-              FROM (SELECT c.lane_id, c.last_seq, c.window_cost FROM pglane.lane_counters c
-                     WHERE c.lane_id = v_lane.id FOR UPDATE) c
-              LEFT JOIN LATERAL (SELECT j.id, j.cost FROM pglane.jobs j
-                                  WHERE j.id = v_look.head[1] AND j.in_queue AND j.run_after <= now()
-                                    AND c.last_seq >= 0
-                                    FOR UPDATE SKIP LOCKED) h ON true;
-            IF r.job_id IS NULL THEN
-                SELECT j.id, j.cost INTO r.job_id, v_cost FROM pglane.jobs j
-                 WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()
-                 ORDER BY j.created_at, j.id LIMIT 1 FOR UPDATE SKIP LOCKED;
-            END IF;
-        ELSE
+        UPDATE pglane.lane_counters c
+           SET last_seq = c.last_seq + 1,
+               left_queue = c.left_queue + (v_lane.max_queued IS NOT NULL)::integer
+         WHERE c.lane_id = v_lane.id
+        RETURNING c.last_seq INTO r.seq;
+    ELSE
+        -- A rate-limited lane: a start of the head job's cost must fit the window ending now (exact:
+        -- under the counters row lock, which every claim of the lane takes, on the database clock read
+        -- after it). The look (the statement that read the lane, above) saw the counters row without
+        -- the lock: what it sees can only be less than the committed use (starts it misses only add to
+        -- it), so a refusal made from it is right, and writes nothing, not even a row lock.
+        --
+        -- The fast path: a lane none of whose jobs ever cost more than 1 (lanes.weighted false: every
+        -- start costs 1) with room in plenty in the look (room for this start and one more, and no
+        -- purge due, below). Its job is locked first, as on an unlimited lane, then the counters row is
+        -- locked, checked again on the row as locked (an UPDATE re-reads a row another claim changed
+        -- meanwhile) and bumped, and the start recorded with its time read once the lock is ours: one
+        -- statement. If that check fails, the steps below decide, the job still held.
+        IF NOT v_lane.weighted AND (v_look.counters).window_cost + 2 <= v_lane.rate_limit
+           AND (v_look.counters).last_seq % 32 <> 31 THEN
             SELECT j.id, j.cost INTO r.job_id, v_cost FROM pglane.jobs j
              WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()
              ORDER BY j.created_at, j.id LIMIT 1 FOR UPDATE SKIP LOCKED;
             IF NOT FOUND THEN
                 RETURN r;
             END IF;
-            -- Room in plenty (the look's counter, which can only understate the use, leaves room for
-            -- this start and one more, and no purge is due): the counters row is locked, checked and
-            -- bumped, and the start recorded, in one statement. The check is made on the row as
-            -- locked (an UPDATE re-reads a row another claim changed meanwhile), the start's time read
-            -- once the lock is ours. Otherwise, or if that check fails, the row is locked on its own
-            -- and the steps below decide.
-            IF v_window + 2 * v_cost <= v_lane.rate_limit AND v_last_seq % 32 <> 31 THEN
-                WITH bumped AS (
-                    UPDATE pglane.lane_counters c
-                       SET last_seq = c.last_seq + 1,
-                           left_queue = c.left_queue + (v_lane.max_queued IS NOT NULL)::integer,
-                           window_cost = c.window_cost + v_cost
-                     WHERE c.lane_id = v_lane.id AND c.window_cost + 2 * v_cost <= v_lane.rate_limit
-                       AND c.last_seq % 32 <> 31
-                    RETURNING c.last_seq
-                ), started AS (
-                    INSERT INTO pglane.lane_starts AS s (lane_id, seq, started_at, cost)
-                    SELECT v_lane.id, bumped.last_seq, clock_timestamp(), v_cost FROM bumped
-                    RETURNING s.started_at
-                )
-                SELECT bumped.last_seq, started.started_at INTO r.seq, v_at FROM bumped, started;
-                v_started := FOUND;
+            WITH bumped AS (
+                UPDATE pglane.lane_counters c
+                   SET last_seq = c.last_seq + 1,
+                       left_queue = c.left_queue + (v_lane.max_queued IS NOT NULL)::integer,
+                       window_cost = c.window_cost + v_cost
+                 WHERE c.lane_id = v_lane.id AND c.window_cost + 2 * v_cost <= v_lane.rate_limit
+                   AND c.last_seq % 32 <> 31
+                RETURNING c.last_seq
+            )
+            INSERT INTO pglane.lane_starts AS s (lane_id, seq, started_at, cost)
+            SELECT v_lane.id, bumped.last_seq, clock_timestamp(), v_cost FROM bumped
+            RETURNING s.seq, s.started_at INTO r.seq, v_at;
+            v_started := FOUND;
+        END IF;
+        IF NOT v_started THEN
+            v_window := (v_look.counters).window_cost;
+            v_last_seq := (v_look.counters).last_seq;
+            IF r.job_id IS NULL THEN
+                -- The look's refusal. The window's expired starts are summed only when the counter
+                -- alone leaves no room (window_cost includes them: it can only overstate the use).
+                -- With no room, nothing is claimed; wait_seconds says when this slot's turn comes.
+                v_cost := CASE WHEN v_lane.weighted THEN v_look.head[2] ELSE 1 END;
+                IF v_cost IS NULL THEN  -- nothing eligible
+                    RETURN r;
+                END IF;
+                v_at := clock_timestamp();
+                IF v_window + v_cost > v_lane.rate_limit THEN
+                    v_window := v_window - coalesce((SELECT sum(s.cost) FROM pglane.lane_starts s
+                                                      WHERE s.lane_id = v_lane.id
+                                                        AND s.started_at <= v_at - v_lane.rate_period), 0);
+                    IF v_window + v_cost > v_lane.rate_limit THEN
+                        IF NOT v_lane.weighted AND NOT EXISTS (
+                                SELECT FROM pglane.jobs j WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()) THEN
+                            RETURN r;  -- nothing eligible: not held back by the rate
+                        END IF;
+                        RETURN pglane.rate_refusal(r, v_lane, v_window, v_cost, v_slot, v_last_seq, v_at);
+                    END IF;
+                END IF;
+                -- A weighted lane locks the counters row before its job is looked for (the job's
+                -- subquery refers to it, so it runs inside the join, once the lock is ours): a job
+                -- locked by a claim that is refused after all is never skipped for the one behind
+                -- it, so the lane starts in service order. The job looked for first is the head the
+                -- look saw, by its key (one index probe, not a second walk of the queue); only when
+                -- another claim took it meanwhile is the queue walked. An unweighted lane's job is
+                -- locked before the counters row, as on an unlimited lane.
+                IF v_lane.weighted THEN
+                    SELECT c.last_seq, c.window_cost, h.id, h.cost INTO v_last_seq, v_window, r.job_id, v_cost
+                      FROM (SELECT c.lane_id, c.last_seq, c.window_cost FROM pglane.lane_counters c
+                             WHERE c.lane_id = v_lane.id FOR UPDATE) c
+                      LEFT JOIN LATERAL (SELECT j.id, j.cost FROM pglane.jobs j
+                                          WHERE j.id = v_look.head[1] AND j.in_queue AND j.run_after <= now()
+                                            AND c.last_seq >= 0
+                                            FOR UPDATE SKIP LOCKED) h ON true;
+                END IF;
+                IF r.job_id IS NULL THEN  -- unweighted, or the head the look saw was taken meanwhile
+                    SELECT j.id, j.cost INTO r.job_id, v_cost FROM pglane.jobs j
+                     WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()
+                     ORDER BY j.created_at, j.id LIMIT 1 FOR UPDATE SKIP LOCKED;
+                END IF;
             END IF;
-            IF NOT v_started THEN
+            IF NOT v_lane.weighted THEN
+                IF r.job_id IS NULL THEN
+                    RETURN r;
+                END IF;
                 SELECT c.last_seq, c.window_cost INTO v_last_seq, v_window
                   FROM pglane.lane_counters c WHERE c.lane_id = v_lane.id FOR UPDATE;
             END IF;
-        END IF;
-        IF NOT v_started THEN
+            -- Under the lock: the window at v_at. Its expired starts are deleted (and taken off the
+            -- counter in the bump below, or right here if the start is refused after all) when the
+            -- counter alone would leave no room for this start and one more like it, and at every
+            -- 32nd start: one DELETE for many, and the table stays as small as the window plus 32
+            -- starts. Until then the counter overstates the use, never understates it; whenever the
+            -- answer depends on it, it is exact. A start refused here leaves its job untouched,
+            -- unlocked at commit.
             v_at := clock_timestamp();  -- read once the lock is ours: no start can commit before it now
             IF v_window + 2 * coalesce(v_cost, 0) > v_lane.rate_limit OR v_last_seq % 32 = 31 THEN
                 WITH gone AS (DELETE FROM pglane.lane_starts s
@@ -213,46 +232,26 @@ BEGIN
                 r.job_id := NULL;
                 RETURN pglane.rate_refusal(r, v_lane, v_window, v_cost, v_slot, v_last_seq, v_at);
             END IF;
-        END IF;
-    ELSE
-        SELECT j.id INTO r.job_id
-          FROM pglane.jobs j
-         WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()
-         ORDER BY j.created_at, j.id
-         LIMIT 1
-           FOR UPDATE SKIP LOCKED;
-        IF NOT FOUND THEN
-            RETURN r;
-        END IF;
-    END IF;
-
-    IF v_cost IS NULL THEN
-        UPDATE pglane.lane_counters c
-           SET last_seq = c.last_seq + 1,
-               left_queue = c.left_queue + (v_lane.max_queued IS NOT NULL)::integer
-         WHERE c.lane_id = v_lane.id
-        RETURNING c.last_seq INTO r.seq;
-    ELSIF NOT v_started THEN  -- the start is recorded in the same statement: one round through the executor
-        WITH bumped AS (
-            UPDATE pglane.lane_counters c
-               SET last_seq = c.last_seq + 1,
-                   left_queue = c.left_queue + (v_lane.max_queued IS NOT NULL)::integer,
-                   window_cost = c.window_cost - v_expired + v_cost
-             WHERE c.lane_id = v_lane.id
-            RETURNING c.last_seq
-        ), started AS (
-            INSERT INTO pglane.lane_starts (lane_id, seq, started_at, cost)
+            WITH bumped AS (  -- the start is recorded in the same statement: one round through the executor
+                UPDATE pglane.lane_counters c
+                   SET last_seq = c.last_seq + 1,
+                       left_queue = c.left_queue + (v_lane.max_queued IS NOT NULL)::integer,
+                       window_cost = c.window_cost - v_expired + v_cost
+                 WHERE c.lane_id = v_lane.id
+                RETURNING c.last_seq
+            )
+            INSERT INTO pglane.lane_starts AS s (lane_id, seq, started_at, cost)
             SELECT v_lane.id, bumped.last_seq, v_at, v_cost FROM bumped
-        )
-        SELECT bumped.last_seq INTO r.seq FROM bumped;
-        -- Already told: when this slot's next turn comes, if a start like this one would not fit
-        -- before then; the worker then stores this job's outcome without claiming again too soon.
-        IF v_window + 2 * v_cost > v_lane.rate_limit THEN
-            r.wait_reason := 'rate';
-            r.wait_seconds := greatest(0, extract(epoch FROM pglane.rate_wait(
-                v_lane.id, v_lane.rate_limit, v_lane.rate_period, v_window + v_cost, v_cost,
-                (((v_slot - 1 - r.seq) % v_lane.slots + v_lane.slots) % v_lane.slots)::integer, v_at)
-                - clock_timestamp()));
+            RETURNING s.seq INTO r.seq;
+            -- Already told: when this slot's next turn comes, if a start like this one would not fit
+            -- before then; the worker then stores this job's outcome without claiming again too soon.
+            IF v_window + 2 * v_cost > v_lane.rate_limit THEN
+                r.wait_reason := 'rate';
+                r.wait_seconds := greatest(0, extract(epoch FROM pglane.rate_wait(
+                    v_lane.id, v_lane.rate_limit, v_lane.rate_period, v_window + v_cost, v_cost,
+                    (((v_slot - 1 - r.seq) % v_lane.slots + v_lane.slots) % v_lane.slots)::integer, v_at)
+                    - clock_timestamp()));
+            END IF;
         END IF;
     END IF;
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import scale
+from bench import rates, scale
 
 
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind (Debian's package valgrind)")
@@ -27,3 +27,16 @@ def test_instructions_per_job_repeat_round_after_round(tmp_path: Path) -> None:
     low, high = counts["ratio_range"]
     assert high - low < 0.01, counts
     assert counts["verdict"].split(" ")[0] in ("met", "missed", "within")
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind (Debian's package valgrind)")
+def test_a_rate_limit_is_counted_in_instructions_and_costs_the_server_something(tmp_path: Path) -> None:
+    """``python -m bench.rates --only instructions``: the generous lane records every start (a row of
+    lane_starts, the counter's bump), so it costs more than the unlimited lane, by a repeatable amount."""
+    out = tmp_path / "rates.json"
+    assert rates.main(["--only", "instructions", "--ic-rounds", "2", "--ic-jobs", "40", "--json", str(out)]) == 0
+    found = json.loads(out.read_text())["instructions"]
+    assert 100_000 < found["unlimited"] < found["generous"] < 10_000_000, found
+    low, high = found["interval_90"]
+    assert 1.0 < low <= found["ratio"] <= high and high - low < 0.01, found
+    assert found["verdict"] in ("met", "missed", "within noise"), found
