@@ -45,7 +45,9 @@ DECLARE
     v_at      timestamptz;      -- a rate-limited lane's: when this start happens (after the counters lock)
     v_window  bigint;           -- a rate-limited lane's: the cost started in the window ending at v_at
     v_last_seq bigint;
-    v_expired bigint := 0;
+    v_expired bigint := 0;      -- a rate-limited lane's: the cost of the expired lane_starts deleted
+    v_pending timestamptz[];    -- a rate-limited lane's: the counters row's pending_starts, as locked
+    v_cut     timestamptz := '-infinity';  -- pending starts at or before it have left the window (purge)
     v_look    record;           -- the lane, and a rate-limited lane's look (below), read in one statement
     v_started boolean := false; -- a rate-limited lane's start already counted and recorded (the fast path)
     r         pglane.claimed;
@@ -126,13 +128,16 @@ BEGIN
         -- after it). The look (the statement that read the lane, above) saw the counters row without
         -- the lock: what it sees can only be less than the committed use (starts it misses only add to
         -- it), so a refusal made from it is right, and writes nothing, not even a row lock.
+        -- A start's record is a row of lane_starts, or (the fast path's) an entry of the counters row's
+        -- pending_starts, which the next slow claim moves into lane_starts: at most 31 of them, since
+        -- every 32nd start takes the slow path.
         --
         -- The fast path: a lane none of whose jobs ever cost more than 1 (lanes.weighted false: every
         -- start costs 1) with room in plenty in the look (room for this start and one more, and no
         -- purge due, below). Its job is locked first, as on an unlimited lane, then the counters row is
         -- locked, checked again on the row as locked (an UPDATE re-reads a row another claim changed
-        -- meanwhile) and bumped, and the start recorded with its time read once the lock is ours: one
-        -- statement. If that check fails, the steps below decide, the job still held.
+        -- meanwhile) and bumped, and the start recorded in it with its time read once the lock is
+        -- ours: one statement. If that check fails, the steps below decide, the job still held.
         IF NOT v_lane.weighted AND (v_look.counters).window_cost + 2 <= v_lane.rate_limit
            AND (v_look.counters).last_seq % 32 <> 31 THEN
             SELECT j.id, j.cost INTO r.job_id, v_cost FROM pglane.jobs j
@@ -141,18 +146,14 @@ BEGIN
             IF NOT FOUND THEN
                 RETURN r;
             END IF;
-            WITH bumped AS (
-                UPDATE pglane.lane_counters c
-                   SET last_seq = c.last_seq + 1,
-                       left_queue = c.left_queue + (v_lane.max_queued IS NOT NULL)::integer,
-                       window_cost = c.window_cost + v_cost
-                 WHERE c.lane_id = v_lane.id AND c.window_cost + 2 * v_cost <= v_lane.rate_limit
-                   AND c.last_seq % 32 <> 31
-                RETURNING c.last_seq
-            )
-            INSERT INTO pglane.lane_starts AS s (lane_id, seq, started_at, cost)
-            SELECT v_lane.id, bumped.last_seq, clock_timestamp(), v_cost FROM bumped
-            RETURNING s.seq, s.started_at INTO r.seq, v_at;
+            UPDATE pglane.lane_counters c
+               SET last_seq = c.last_seq + 1,
+                   left_queue = c.left_queue + (v_lane.max_queued IS NOT NULL)::integer,
+                   window_cost = c.window_cost + 1,
+                   pending_starts = c.pending_starts || clock_timestamp()
+             WHERE c.lane_id = v_lane.id AND v_cost = 1 AND c.window_cost + 2 <= v_lane.rate_limit
+               AND c.last_seq % 32 <> 31
+            RETURNING c.last_seq, c.pending_starts[cardinality(c.pending_starts)] INTO r.seq, v_at;
             v_started := FOUND;
         END IF;
         IF NOT v_started THEN
@@ -170,7 +171,9 @@ BEGIN
                 IF v_window + v_cost > v_lane.rate_limit THEN
                     v_window := v_window - coalesce((SELECT sum(s.cost) FROM pglane.lane_starts s
                                                       WHERE s.lane_id = v_lane.id
-                                                        AND s.started_at <= v_at - v_lane.rate_period), 0);
+                                                        AND s.started_at <= v_at - v_lane.rate_period), 0)
+                                         - (SELECT count(*) FROM unnest((v_look.counters).pending_starts) p(at)
+                                             WHERE p.at <= v_at - v_lane.rate_period);
                     IF v_window + v_cost > v_lane.rate_limit THEN
                         IF NOT v_lane.weighted AND NOT EXISTS (
                                 SELECT FROM pglane.jobs j WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()) THEN
@@ -187,8 +190,9 @@ BEGIN
                 -- another claim took it meanwhile is the queue walked. An unweighted lane's job is
                 -- locked before the counters row, as on an unlimited lane.
                 IF v_lane.weighted THEN
-                    SELECT c.last_seq, c.window_cost, h.id, h.cost INTO v_last_seq, v_window, r.job_id, v_cost
-                      FROM (SELECT c.lane_id, c.last_seq, c.window_cost FROM pglane.lane_counters c
+                    SELECT c.last_seq, c.window_cost, c.pending_starts, h.id, h.cost
+                      INTO v_last_seq, v_window, v_pending, r.job_id, v_cost
+                      FROM (SELECT c.lane_id, c.last_seq, c.window_cost, c.pending_starts FROM pglane.lane_counters c
                              WHERE c.lane_id = v_lane.id FOR UPDATE) c
                       LEFT JOIN LATERAL (SELECT j.id, j.cost FROM pglane.jobs j
                                           WHERE j.id = v_look.head[1] AND j.in_queue AND j.run_after <= now()
@@ -205,22 +209,24 @@ BEGIN
                 IF r.job_id IS NULL THEN
                     RETURN r;
                 END IF;
-                SELECT c.last_seq, c.window_cost INTO v_last_seq, v_window
+                SELECT c.last_seq, c.window_cost, c.pending_starts INTO v_last_seq, v_window, v_pending
                   FROM pglane.lane_counters c WHERE c.lane_id = v_lane.id FOR UPDATE;
             END IF;
             -- Under the lock: the window at v_at. Its expired starts are deleted (and taken off the
             -- counter in the bump below, or right here if the start is refused after all) when the
             -- counter alone would leave no room for this start and one more like it, and at every
             -- 32nd start: one DELETE for many, and the table stays as small as the window plus 32
-            -- starts. Until then the counter overstates the use, never understates it; whenever the
-            -- answer depends on it, it is exact. A start refused here leaves its job untouched,
-            -- unlocked at commit.
+            -- starts. The expired pending starts (before v_cut) are counted out with them, and left
+            -- out when the bump moves the pending ones into lane_starts. Until then the counter
+            -- overstates the use, never understates it; whenever the answer depends on it, it is
+            -- exact. A start refused here leaves its job untouched, unlocked at commit.
             v_at := clock_timestamp();  -- read once the lock is ours: no start can commit before it now
             IF v_window + 2 * coalesce(v_cost, 0) > v_lane.rate_limit OR v_last_seq % 32 = 31 THEN
                 WITH gone AS (DELETE FROM pglane.lane_starts s
                                WHERE s.lane_id = v_lane.id AND s.started_at <= v_at - v_lane.rate_period RETURNING s.cost)
                 SELECT coalesce(sum(gone.cost), 0) INTO v_expired FROM gone;
-                v_window := v_window - v_expired;
+                v_cut := v_at - v_lane.rate_period;
+                v_window := v_window - v_expired - (SELECT count(*) FROM unnest(v_pending) p(at) WHERE p.at <= v_cut);
             END IF;
             IF r.job_id IS NULL OR v_window + v_cost > v_lane.rate_limit THEN
                 IF v_expired > 0 THEN  -- the deleted starts leave the counter too (the lock is ours anyway)
@@ -232,17 +238,23 @@ BEGIN
                 r.job_id := NULL;
                 RETURN pglane.rate_refusal(r, v_lane, v_window, v_cost, v_slot, v_last_seq, v_at);
             END IF;
-            WITH bumped AS (  -- the start is recorded in the same statement: one round through the executor
+            -- The start, and the pending ones still in the window, recorded in the statement that
+            -- bumps the counters (whose row is ours: the seq is the one after the locked last_seq).
+            r.seq := v_last_seq + 1;
+            WITH bumped AS (
                 UPDATE pglane.lane_counters c
-                   SET last_seq = c.last_seq + 1,
+                   SET last_seq = r.seq,
                        left_queue = c.left_queue + (v_lane.max_queued IS NOT NULL)::integer,
                        window_cost = c.window_cost - v_expired + v_cost
+                                     - (SELECT count(*) FROM unnest(v_pending) p(at) WHERE p.at <= v_cut),
+                       pending_starts = '{}'
                  WHERE c.lane_id = v_lane.id
-                RETURNING c.last_seq
             )
-            INSERT INTO pglane.lane_starts AS s (lane_id, seq, started_at, cost)
-            SELECT v_lane.id, bumped.last_seq, v_at, v_cost FROM bumped
-            RETURNING s.seq INTO r.seq;
+            INSERT INTO pglane.lane_starts (lane_id, seq, started_at, cost)
+            SELECT v_lane.id, v_last_seq - cardinality(v_pending) + p.i, p.at, 1
+              FROM unnest(v_pending) WITH ORDINALITY p(at, i) WHERE p.at > v_cut
+            UNION ALL
+            SELECT v_lane.id, r.seq, v_at, v_cost;
             -- Already told: when this slot's next turn comes, if a start like this one would not fit
             -- before then; the worker then stores this job's outcome without claiming again too soon.
             IF v_window + 2 * v_cost > v_lane.rate_limit THEN

@@ -68,7 +68,7 @@ BEGIN
     END IF;
     IF NEW.rate_limit IS NULL AND OLD.rate_limit IS NOT NULL THEN  -- unlimited: no window to keep
         DELETE FROM pglane.lane_starts s WHERE s.lane_id = NEW.id;
-        UPDATE pglane.lane_counters c SET window_cost = 0 WHERE c.lane_id = NEW.id;
+        UPDATE pglane.lane_counters c SET window_cost = 0, pending_starts = '{}' WHERE c.lane_id = NEW.id;
     END IF;
     RETURN NEW;
 END $$;
@@ -168,7 +168,9 @@ $$;
 -- Rate limits. A lane with rate_limit N and rate_period P starts at most N units of cost (jobs.cost,
 -- 1 by default) in any window of length P, cluster-wide: the claim counts, on the database clock,
 -- under the lane's counters row lock (see claim_impl). The starts still inside a window are rows of
--- lane_starts, their sum lane_counters.window_cost (maintained by the claim, the only writer of both).
+-- lane_starts, but for the latest starts of the claim's fast path, kept in the counters row
+-- (lane_counters.pending_starts, cost 1 each) until the next slow claim moves them; their sum is
+-- lane_counters.window_cost (the claim maintains all three; lane_window_starts reads both places).
 
 -- parse_rate: '5/s', '60/min', '1000/h', '2/d', '100/10min' (a count before the unit multiplies it);
 -- NULL for 'none'. Raises PGL10 saying what is accepted.
@@ -210,10 +212,26 @@ AS $$
     END;
 $$;
 
+-- lane_window_starts: lane p_lane_id's starts after p_since, wherever they are kept (lane_starts, or
+-- the counters row's pending_starts: cost 1, consecutive seqs ending at last_seq).
+CREATE OR REPLACE FUNCTION pglane.lane_window_starts(p_lane_id integer, p_since timestamptz,
+                                                     OUT started_at timestamptz, OUT seq bigint, OUT cost integer)
+RETURNS SETOF record
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT s.started_at, s.seq, s.cost FROM pglane.lane_starts s
+     WHERE s.lane_id = p_lane_id AND s.started_at > p_since
+    UNION ALL
+    SELECT p.at, c.last_seq - cardinality(c.pending_starts) + p.i, 1
+      FROM pglane.lane_counters c, unnest(c.pending_starts) WITH ORDINALITY p(at, i)
+     WHERE c.lane_id = p_lane_id AND p.at > p_since;
+$$;
+
 -- rate_wait: when a start of cost p_cost fits a lane's window (whose use is p_window at p_now) again
 -- after p_ahead other starts, each assumed to cost p_cost too. The claim gives each slot its own
 -- p_ahead (see claim_impl), so that the workers of a limited lane wake at different openings, one
--- claim each, not all at the first. Reads lane_starts only; writes nothing.
+-- claim each, not all at the first. Reads the window's starts only; writes nothing.
 CREATE OR REPLACE FUNCTION pglane.rate_wait(p_lane_id integer, p_limit integer, p_period interval,
                                             p_window bigint, p_cost integer, p_ahead integer,
                                             p_now timestamptz) RETURNS timestamptz
@@ -222,8 +240,7 @@ SET search_path = pg_catalog, pg_temp
 AS $$
     WITH need AS (SELECT p_window + (p_ahead + 1)::bigint * p_cost - p_limit AS units),
          live AS (SELECT s.started_at, sum(s.cost) OVER (ORDER BY s.started_at, s.seq) AS freed
-                    FROM pglane.lane_starts s
-                   WHERE s.lane_id = p_lane_id AND s.started_at > p_now - p_period)
+                    FROM pglane.lane_window_starts(p_lane_id, p_now - p_period) s)
     SELECT coalesce((SELECT live.started_at FROM live, need WHERE live.freed >= need.units
                       ORDER BY live.started_at LIMIT 1),
                     (SELECT max(live.started_at) FROM live), p_now) + p_period;
@@ -235,8 +252,7 @@ CREATE OR REPLACE FUNCTION pglane.rate_window_use(p_lane text) RETURNS bigint
 LANGUAGE sql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT (SELECT coalesce(sum(s.cost), 0) FROM pglane.lane_starts s
-             WHERE s.lane_id = l.id AND s.started_at > now() - l.rate_period)
+    SELECT (SELECT coalesce(sum(s.cost), 0) FROM pglane.lane_window_starts(l.id, now() - l.rate_period) s)
       FROM pglane.lanes l WHERE l.name = p_lane AND l.rate_limit IS NOT NULL;
 $$;
 

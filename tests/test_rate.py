@@ -14,7 +14,7 @@ import psycopg
 import pytest
 
 from pglane import errors
-from tests.conftest import ROOT, Workers, metrics_port, scrape, take_slot, wait_until
+from tests.conftest import ROOT, Workers, claimed, metrics_port, scrape, take_slot, wait_until
 
 Conn = psycopg.Connection[dict[str, Any]]
 
@@ -68,6 +68,17 @@ def start_rate_workers(workers: Workers, lane: str, n: int) -> list[subprocess.P
             for _ in range(n)]
 
 
+def assert_window_books_balance(conn: Conn, lane: str) -> None:
+    """The counter is the sum of the starts it has not yet purged, wherever they are kept (lane_starts,
+    or the counters row's pending_starts): one drift and the limit would be off for good."""
+    row = conn.execute(
+        "SELECT c.window_cost, cardinality(c.pending_starts) AS pending,"
+        " (SELECT coalesce(sum(s.cost), 0) FROM pglane.lane_starts s WHERE s.lane_id = l.id) AS kept"
+        " FROM pglane.lanes l JOIN pglane.lane_counters c ON c.lane_id = l.id WHERE l.name = %s", (lane,)).fetchone()
+    assert row is not None and row["pending"] < 32
+    assert row["window_cost"] == row["kept"] + row["pending"], row
+
+
 def claims_made(procs: list[subprocess.Popen[bytes]], lane: str) -> float:
     return sum(scrape(metrics_port(p), lane).get("pglane_claim_latency_seconds_count", 0.0) for p in procs)
 
@@ -91,6 +102,31 @@ def test_three_workers_never_exceed_the_rate_and_make_about_one_claim_per_job(
     # claim metric once they have gone idle (each makes one empty claim at the end).
     made = wait_until(lambda: (c := claims_made(procs, lane)) >= 60 and c, 10, "the claim metrics")
     assert made / 60 <= 1.5, f"{made:.0f} claims for 60 jobs"
+    assert_window_books_balance(conn, lane)
+
+
+def test_every_start_is_recorded_once_with_its_seq_and_time(conn: Conn, lane: str) -> None:
+    """A generous lane takes the fast path (the start kept in the counters row) but at every 32nd
+    start, which moves the kept ones into lane_starts: whichever path recorded it, each start is there
+    once, with the seq and time its attempt got, and the counter and the operator's figure agree."""
+    set_lane(conn, lane, rate="100000/h")
+    enqueue_many(conn, lane, [1] * 70)
+    take_slot(conn, lane)
+    for _ in range(70):
+        claimed(conn, lane)
+    recorded = conn.execute(
+        "SELECT w.seq, w.started_at FROM pglane.lanes l, pglane.lane_window_starts(l.id, '-infinity') w"
+        " WHERE l.name = %s ORDER BY w.seq", (lane,)).fetchall()
+    attempts = conn.execute(
+        "SELECT a.seq, a.started_at FROM pglane.attempts a JOIN pglane.jobs j ON j.id = a.job_id"
+        " WHERE j.lane = %s ORDER BY a.seq", (lane,)).fetchall()
+    assert [r["seq"] for r in attempts] == list(range(1, 71))
+    assert recorded == attempts
+    kept = conn.execute("SELECT count(*) AS n FROM pglane.lane_starts").fetchone()
+    assert kept is not None and kept["n"] == 64  # moved by the slow claims of seq 32 and 64
+    assert_window_books_balance(conn, lane)
+    use = conn.execute("SELECT pglane.rate_window_use(%s) AS n", (lane,)).fetchone()
+    assert use is not None and use["n"] == 70
 
 
 def test_weighted_costs_count_in_the_window(conn: Conn, lane: str, workers: Workers) -> None:
@@ -102,6 +138,7 @@ def test_weighted_costs_count_in_the_window(conn: Conn, lane: str, workers: Work
     recorded = starts(conn, lane)
     assert sorted(c for _, c in recorded) == sorted(costs)
     assert busiest_window(recorded, dt.timedelta(seconds=1)) <= 12
+    assert_window_books_balance(conn, lane)
     # Started in service order (a costly head job is waited for, never skipped).
     order = conn.execute("SELECT id FROM pglane.jobs WHERE lane = %s ORDER BY seq", (lane,)).fetchall()
     assert [r["id"] for r in order] == sorted(r["id"] for r in order)
@@ -119,6 +156,7 @@ def test_a_worker_killed_mid_window_does_not_let_the_lane_exceed_the_rate(
     wait_until(lambda: drained(conn, lane), 60, "the lane to drain")
     assert other.poll() is None
     assert busiest_window(starts(conn, lane), dt.timedelta(seconds=1)) <= 5
+    assert_window_books_balance(conn, lane)
 
 
 # ----- a refused start writes nothing, and says when ------------------------------------------------

@@ -39,7 +39,12 @@ RATE_BEFORE = """
     -- is checked only where a cost is written.
     CREATE DOMAIN pglane.job_cost AS integer CONSTRAINT job_cost_positive CHECK (VALUE >= 1);
     ALTER TABLE pglane.jobs ADD COLUMN cost pglane.job_cost NOT NULL DEFAULT 1;
-    ALTER TABLE pglane.lane_counters ADD COLUMN window_cost bigint NOT NULL DEFAULT 0;
+    ALTER TABLE pglane.lane_counters ADD COLUMN window_cost bigint NOT NULL DEFAULT 0,
+        ADD COLUMN pending_starts timestamptz[] NOT NULL DEFAULT '{}';
+    COMMENT ON COLUMN pglane.lane_counters.pending_starts IS
+        'the latest starts of cost 1 taken by the claim''s fast path, not yet rows of lane_starts (at most 31;'
+        ' the last one''s seq is last_seq, the ones before it consecutive): moved there by the next claim that'
+        ' takes the slow path, which every 32nd start does';
     ALTER TABLE pglane.lanes ADD COLUMN weighted boolean NOT NULL DEFAULT false;
     COMMENT ON COLUMN pglane.lanes.weighted IS
         'a job of this lane has cost more than 1 (set by the first such enqueue, never unset): its rate-limited'
@@ -53,7 +58,8 @@ RATE_BEFORE = """
         PRIMARY KEY (lane_id, started_at, seq)
     );
     COMMENT ON TABLE pglane.lane_starts IS
-        'the starts of rate-limited lanes still inside their window; lane_counters.window_cost is their sum';
+        'the starts of rate-limited lanes still inside their window (the latest may still be in'
+        ' lane_counters.pending_starts); lane_counters.window_cost is the sum of both';
     ALTER TYPE pglane.claimed ADD ATTRIBUTE wait_reason text;
 """
 RATE_AFTER = f"""
@@ -68,12 +74,13 @@ RATE_UNDO_BEFORE = """
     DROP FUNCTION pglane.enqueue(text, jsonb, text, timestamptz, text, integer), pglane.set_lane(text, jsonb),
                   pglane.parse_rate(text), pglane.rate_text(integer, interval), pglane.rate_wait(integer, integer,
                   interval, bigint, integer, integer, timestamptz), pglane.rate_next_start(text),
-                  pglane.rate_window_use(text), pglane.rate_refusal(pglane.claimed, pglane.lanes, bigint, integer,
+                  pglane.rate_window_use(text), pglane.lane_window_starts(integer, timestamptz),
+                  pglane.rate_refusal(pglane.claimed, pglane.lanes, bigint, integer,
                   integer, bigint, timestamptz),
                   pglane.full_lane_retry_after(text, bigint);  -- LaneFull's retry delay (#19)
     ALTER TYPE pglane.claimed DROP ATTRIBUTE wait_reason;
     DROP TABLE pglane.lane_starts;
-    ALTER TABLE pglane.lane_counters DROP COLUMN window_cost;
+    ALTER TABLE pglane.lane_counters DROP COLUMN window_cost, DROP COLUMN pending_starts;
     ALTER TABLE pglane.jobs DROP COLUMN cost;
     DROP DOMAIN pglane.job_cost;
     DROP TRIGGER lanes_after_delete ON pglane.lanes;
