@@ -92,3 +92,36 @@ QUEUE_GAUGES: LiteralString = (
 AWAIT_JOB: LiteralString = "SELECT * FROM pglane.await_job(%s)"
 LISTEN_DONE: LiteralString = "LISTEN pglane_done"
 DONE_CHANNEL = "pglane_done"
+
+# Lanes as `pglane lane list/show` print them: every setting under its command-line option's name, the
+# timeouts in seconds, the rate as written on the command line ('60/min'), or none.
+LANE_SETTINGS: LiteralString = (
+    "SELECT name, slots, extract(epoch FROM job_timeout)::float8 AS job_timeout,"
+    " extract(epoch FROM lease_timeout)::float8 AS lease_timeout, max_attempts, max_queued,"
+    " replace(takeover, '_', '-') AS takeover,"
+    " CASE WHEN rate_limit IS NULL THEN NULL ELSE pglane.rate_text(rate_limit, rate_period) END AS rate,"
+    " max_result_bytes, max_payload_bytes, extract(epoch FROM waiting_grace)::float8 AS waiting_grace,"
+    " extract(epoch FROM retry_backoff)::float8 AS retry_backoff, created_at"
+    " FROM pglane.lanes WHERE %(name)s::text IS NULL OR name = %(name)s ORDER BY name"
+)
+# `pglane lane delete`: in one transaction, the lane's row locked first (an enqueue's foreign key check
+# then waits, and fails once the lane is gone), what it holds counted, then its attempts, its jobs and
+# itself deleted (lanes_after_delete deletes its recorded starts; its counters rows cascade).
+LOCK_LANE: LiteralString = "SELECT id FROM pglane.lanes WHERE name = %s FOR UPDATE"
+LANE_HOLDINGS: LiteralString = (
+    "SELECT count(*) FILTER (WHERE status = 'queued') AS queued,"
+    " count(*) FILTER (WHERE status = 'running') AS running,"
+    " count(*) FILTER (WHERE status NOT IN ('queued', 'running')) AS finished,"
+    " (SELECT count(*) FROM pglane.attempts a JOIN pglane.jobs j ON j.id = a.job_id WHERE j.lane = %(name)s)"
+    " AS attempts"
+    " FROM pglane.jobs WHERE lane = %(name)s"
+)
+DELETE_LANE_ATTEMPTS: LiteralString = (
+    "DELETE FROM pglane.attempts a USING pglane.jobs j WHERE a.job_id = j.id AND j.lane = %s"
+)
+DELETE_LANE_JOBS: LiteralString = "DELETE FROM pglane.jobs WHERE lane = %s"
+DELETE_LANE: LiteralString = "DELETE FROM pglane.lanes WHERE name = %s"
+# Whether the connected login is a member of a pglane role (before a hint suggests granting it).
+HAS_ROLE: LiteralString = (
+    "SELECT to_regrole(%(role)s) IS NOT NULL AND pg_has_role(current_user, %(role)s, 'MEMBER') AS member"
+)
