@@ -123,5 +123,6 @@ DELETE_LANE_JOBS: LiteralString = "DELETE FROM pglane.jobs WHERE lane = %s"
 DELETE_LANE: LiteralString = "DELETE FROM pglane.lanes WHERE name = %s"
 # Whether the connected login is a member of a pglane role (before a hint suggests granting it).
 HAS_ROLE: LiteralString = (
-    "SELECT to_regrole(%(role)s) IS NOT NULL AND pg_has_role(current_user, %(role)s, 'MEMBER') AS member"
+    "SELECT CASE WHEN to_regrole(%(role)s) IS NULL THEN false"
+    " ELSE pg_has_role(current_user, %(role)s, 'MEMBER') END AS member"
 )
