@@ -94,12 +94,12 @@ LISTEN_DONE: LiteralString = "LISTEN pglane_done"
 DONE_CHANNEL = "pglane_done"
 
 # Lanes as `pglane lane list/show` print them: every setting under its command-line option's name, the
-# timeouts in seconds, the rate as written on the command line ('60/min'), or none.
+# timeouts in seconds (the rate as a limit and a period: the CLI writes it as '60/min').
 LANE_SETTINGS: LiteralString = (
     "SELECT name, slots, extract(epoch FROM job_timeout)::float8 AS job_timeout,"
     " extract(epoch FROM lease_timeout)::float8 AS lease_timeout, max_attempts, max_queued,"
     " replace(takeover, '_', '-') AS takeover,"
-    " CASE WHEN rate_limit IS NULL THEN NULL ELSE pglane.rate_text(rate_limit, rate_period) END AS rate,"
+    " rate_limit, extract(epoch FROM rate_period)::float8 AS rate_period,"
     " max_result_bytes, max_payload_bytes, extract(epoch FROM waiting_grace)::float8 AS waiting_grace,"
     " extract(epoch FROM retry_backoff)::float8 AS retry_backoff, created_at"
     " FROM pglane.lanes WHERE %(name)s::text IS NULL OR name = %(name)s ORDER BY name"
@@ -125,4 +125,10 @@ DELETE_LANE: LiteralString = "DELETE FROM pglane.lanes WHERE name = %s"
 HAS_ROLE: LiteralString = (
     "SELECT CASE WHEN to_regrole(%(role)s) IS NULL THEN false"
     " ELSE pg_has_role(current_user, %(role)s, 'MEMBER') END AS member"
+)
+# The sessions holding slots of a lane above a number (lane set --slots lowering it): a worker's session
+# is named "pglane <worker name>" (application_name); pid is the server session's, not the worker's.
+SLOTS_ABOVE: LiteralString = (
+    "SELECT slot, pid, application_name FROM pglane.slot_sessions"
+    " WHERE lane = %s AND granted AND slot > %s ORDER BY slot"
 )
