@@ -8,54 +8,50 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Iterable, Sequence
-from datetime import timedelta
+from collections.abc import Sequence
 from typing import Any
 
 import psycopg
 
-from . import client, replication, schema, timing
-from .errors import ConfigurationError, PglaneError, WaitTimeout, first_line, translate
+from . import cli_lanes, client, durations, queries, replication, schema, timing
+from .cli_format import json_stream, pipe_closed, table, to_json
+from .errors import ConfigurationError, PermissionDenied, PglaneError, WaitTimeout, first_line, translate
 from .job import JOB_STATUSES
 
 EXIT_FULL = 3  # enqueue --if-full skip met a full lane: nothing was written
 EXIT_WAIT_TIMEOUT = 4  # enqueue --wait --timeout S: the job had not finished (it goes on)
+LANE_NAME_RULE = "a lowercase letter, then up to 47 lowercase letters, digits, '_' or '-'"
+
+EPILOG = """durations: a number and a unit, or several: 250ms, 90s, 10m, 1h30m, 7d (a bare number is seconds,
+except for prune --older-than, which needs a unit).
+
+exit status: 0 done; 1 an error (one line on stderr: what was wrong and what to do); 2 a usage or
+settings error; 3 enqueue --if-full skip met a full lane; 4 enqueue --wait --timeout ran out (the job
+goes on); 130 interrupted; 141 stdout was closed early (e.g. piped into head): the output was cut,
+nothing else failed, no traceback.
+
+database: every command but demo and server takes --dsn (before or after the command) or $PGLANE_DSN."""
 
 
-def _table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
-    def cell(value: Any) -> str:
-        if value is None:
-            return "-"
-        if isinstance(value, timedelta):
-            return f"{value.total_seconds():.1f}s"
-        text = str(value)
-        return text if len(text) <= 100 else text[:97] + "..."
-
-    body = [[cell(r.get(c)) for c in columns] for r in rows]
-    widths = [max([len(c)] + [len(b[i]) for b in body]) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(b, widths, strict=True)) for b in body]
-    return "\n".join(line.rstrip() for line in lines)
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Each option's default shown after its meaning; the epilog kept as written."""
 
 
-def _json(value: Any) -> str:
-    return json.dumps(value, default=str, indent=2)
+class _Version(argparse.Action):
+    """--version: read from the installed package's metadata, only when asked (importlib.metadata is slow)."""
 
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
 
-def _json_stream(rows: Iterable[dict[str, Any]]) -> None:
-    """print(_json(list(rows))), written one row at a time: the same text, without the list."""
-    out = sys.stdout
-    first = True
-    for row in rows:
-        out.write("[\n  " if first else ",\n  ")
-        out.write(_json(row).replace("\n", "\n  "))
-        first = False
-    out.write("[]\n" if first else "\n]\n")
-    out.flush()
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        from importlib.metadata import PackageNotFoundError, version
 
-
-RATE_HELP = ("at most N starts (or N units of --cost) in any window of PERIOD, cluster-wide: 5/s, 60/min, "
-             "1000/h, 100/10min")
+        try:
+            found = version("pglane")
+        except PackageNotFoundError:
+            found = "unknown (not installed; pip install -e .)"
+        print(f"pglane {found}")
+        parser.exit()
 
 
 def _count_or_none(text: str) -> int | None:
@@ -78,20 +74,27 @@ def _duty(text: str) -> float:
 
 
 def _seconds(text: str) -> float:
+    """A positive duration; a bare number is seconds (the established meaning for timeouts)."""
     try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0 or value != value or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds")
-    return value
-
-
-def _duration(text: str) -> float:
-    try:
-        return timing.parse_duration(text)
+        return durations.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _age(text: str) -> float:
+    """prune --older-than: a duration with its unit (a bare 7 could be days or seconds)."""
+    try:
+        return durations.parse(text, bare_seconds=False, allow_zero=True, example="7d")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _lane_name(text: str) -> str:
+    import re
+
+    if not re.fullmatch(r"[a-z][a-z0-9_-]{0,47}", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a lane name: {LANE_NAME_RULE}, e.g. brain or paid-api")
+    return text
 
 
 def _payload(text: str) -> Any:
@@ -103,137 +106,196 @@ def _payload(text: str) -> Any:
         ) from None
 
 
+RATE_HELP = ("at most N starts (or N units of --cost) in any window of PERIOD, cluster-wide: 5/s, 60/min, "
+             "1000/h, 100/10min")
+JSON_HELP = "print JSON instead of text"
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pglane", description="A PostgreSQL job queue for scarce, expensive work.")
+    p = argparse.ArgumentParser(prog="pglane", description="A PostgreSQL job queue for scarce, expensive work.",
+                                epilog=EPILOG, formatter_class=_Help)
     dsn_help = "libpq DSN or URI of the database (default: $PGLANE_DSN)"
     p.add_argument("--dsn", help=dsn_help)
+    p.add_argument("--version", action=_Version, help="print pglane's version and exit")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub.add_parser("migrate", help="create or upgrade pglane's schema")
 
-    lane = sub.add_parser("lane", help="manage lanes").add_subparsers(dest="lane_command", required=True)
-    create = lane.add_parser("create", help="create a lane")
-    create.add_argument("name")
-    create.add_argument("--slots", type=int, default=1)
-    create.add_argument("--job-timeout", type=_seconds, default=timing.DEFAULT_JOB_TIMEOUT)
-    create.add_argument("--lease-timeout", type=_seconds, help="default: 10%% longer than --job-timeout")
-    create.add_argument("--max-attempts", type=int, default=1)
-    create.add_argument("--max-queued", type=int)
+    def command(name: str, text: str, into: Any = sub, json_flag: bool = True) -> argparse.ArgumentParser:
+        c: argparse.ArgumentParser = into.add_parser(name, help=text, description=text, formatter_class=_Help,
+                                                     epilog=EPILOG)
+        if json_flag:
+            c.add_argument("--json", action="store_true", help=JSON_HELP)
+        return c
+
+    command("migrate", "create or upgrade pglane's schema (needs CREATE on the database and CREATEROLE)")
+
+    lane = command("lane", "manage lanes: create, set, list, show, delete", json_flag=False).add_subparsers(
+        dest="lane_command", required=True, metavar="LANE_COMMAND")
+    create = command("create", "create a lane; prints its settings", lane)
+    create.add_argument("name", type=_lane_name, help=f"the lane's name: {LANE_NAME_RULE}")
+    create.add_argument("--slots", type=int, default=1, help="consumer slots, cluster-wide: jobs run at once")
+    create.add_argument("--job-timeout", type=_seconds, default=f"{timing.DEFAULT_JOB_TIMEOUT:g}s",
+                        help="the handler's budget per attempt; past it the attempt is timed_out")
+    create.add_argument("--lease-timeout", type=_seconds,
+                        help="past it a still-connected holder is stuck (reported, never re-run); default: 10%% "
+                        "longer than --job-timeout")
+    create.add_argument("--max-attempts", type=int, default=1,
+                        help="attempts per job: more than 1 re-runs a failed job (never a lost one) by itself")
+    create.add_argument("--max-queued", type=int, help="bound the queue: an enqueue beyond it is refused "
+                        "(default: unbounded)")
     create.add_argument("--takeover", choices=("immediate", "after-lease"), default="immediate",
                         help="after-lease: a slot freed by a lost session takes no job until that attempt's "
-                        "lease ends, so no two calls ever overlap (default: immediate)")
+                        "lease ends, so no two calls ever overlap")
     create.add_argument("--max-result-bytes", type=int, default=16 * 1024 * 1024,
-                        help="a handler's result larger than this fails its attempt (default 16 MiB)")
-    create.add_argument("--rate", help=RATE_HELP)
-    change = lane.add_parser("set", help="change a lane while its workers run (each setting from its next use)")
-    change.add_argument("name")
-    change.add_argument("--slots", type=int)
-    change.add_argument("--job-timeout", type=_seconds)
-    change.add_argument("--lease-timeout", type=_seconds)
-    change.add_argument("--max-attempts", type=int)
+                        help="a handler's result larger than this fails its attempt")
+    create.add_argument("--waiting-grace", type=_duration0, default="5s",
+                        help="a job queued this long with no worker is shown as waiting for a worker")
+    create.add_argument("--retry-backoff", type=_duration0, default="2s",
+                        help="pause before a failed job's next attempt (with --max-attempts above 1)")
+    create.add_argument("--rate", help=RATE_HELP + " (default: unlimited)")
+    change = command("set", "change a lane while its workers run (each setting from its next use)", lane)
+    change.add_argument("name", help="the lane to change")
+    change.add_argument("--slots", type=int, help="consumer slots, cluster-wide")
+    change.add_argument("--job-timeout", type=_seconds, help="the handler's budget per attempt")
+    change.add_argument("--lease-timeout", type=_seconds, help="past it a still-connected holder is stuck")
+    change.add_argument("--max-attempts", type=int, help="attempts per job")
     change.add_argument("--max-queued", type=_count_or_none, default=argparse.SUPPRESS,
                         help="N, or none for an unbounded lane")
     change.add_argument("--rate", help=RATE_HELP + "; none removes it")
-    change.add_argument("--takeover", choices=("immediate", "after-lease"))
-    change.add_argument("--max-result-bytes", type=int)
+    change.add_argument("--takeover", choices=("immediate", "after-lease"),
+                        help="after-lease: a freed slot waits for a lost attempt's lease")
+    change.add_argument("--max-result-bytes", type=int, help="a larger result fails its attempt")
+    change.add_argument("--waiting-grace", type=_duration0, help="queued this long with no worker: shown waiting")
+    change.add_argument("--retry-backoff", type=_duration0, help="pause before a failed job's next attempt")
+    command("list", "every lane and its settings", lane)
+    shown = command("show", "one lane: its settings, what it holds now and the next safe action", lane)
+    shown.add_argument("name", help="the lane to show")
+    gone = command("delete", "delete a lane, with its jobs and their attempts, in one transaction", lane)
+    gone.add_argument("name", help="the lane to delete")
+    gone.add_argument("--force", action="store_true",
+                      help="delete it even while it has queued or running jobs (says how many it drops)")
 
-    enq = sub.add_parser("enqueue", help="add a job; prints its id")
-    enq.add_argument("lane")
+    enq = command("enqueue", "add a job; prints its id")
+    enq.add_argument("lane", help="the lane to add the job to")
     enq.add_argument("payload", type=_payload, help="a JSON object or array")
     enq.add_argument("--key", help="idempotency key: the same key returns the same job")
-    enq.add_argument("--cost", type=int, default=1,
-                     help="what the job's start counts against its lane's rate limit (default 1)")
+    enq.add_argument("--cost", type=int, default=1, help="what the job's start counts against its lane's rate limit")
     enq.add_argument("--if-full", choices=("error", "skip"), default="error",
-                     help="on a full bounded lane: an error (default), or skip: exit 3, nothing written, "
-                     "no ERROR in the server's log")
+                     help="on a full bounded lane: an error, or skip: exit 3, nothing written, no ERROR in the "
+                     "server's log")
     enq.add_argument("--wait", action="store_true",
                      help="wait for the job to finish and print its result as JSON (a failed or cancelled job: "
                      "the reason and the next safe action on stderr, exit 1)")
     enq.add_argument("--timeout", type=_seconds,
-                     help="with --wait: give up after this many seconds, saying where the job is (exit 4)")
+                     help="with --wait: give up after this long, saying where the job is (exit 4; default: wait "
+                     "as long as it takes)")
 
-    w = sub.add_parser("worker", help="run a worker for one lane")
-    w.add_argument("lane")
-    w.add_argument("--handler", required=True, help="MODULE:CALLABLE taking a pglane.Job")
-    w.add_argument("--poll-interval", type=_seconds, default=5.0)
-    w.add_argument("--max-jobs", type=int)
-    w.add_argument("--max-lifetime", type=_seconds)
-    w.add_argument("--timeout", type=_seconds, help="hard timeout; default: job_timeout + a margin")
+    w = command("worker", "run a worker for one lane", json_flag=False)
+    w.add_argument("lane", help="the lane to serve")
+    w.add_argument("--handler", required=True,
+                   help="MODULE:CALLABLE taking a pglane.Job, imported from the current directory first (as "
+                   "Celery does), then from sys.path")
+    w.add_argument("--poll-interval", type=_seconds, default="5s",
+                   help="how often an idle worker looks for work it was not woken for")
+    w.add_argument("--max-jobs", type=int, help="exit after this many jobs (default: never)")
+    w.add_argument("--max-lifetime", type=_seconds, help="exit after this long, between jobs (default: never)")
+    w.add_argument("--timeout", type=_seconds, help="hard timeout of a call (default: the lane's job timeout + "
+                   "a margin inside its lease)")
     w.add_argument("--name", help="worker name recorded on attempts (default: host:pid)")
-    w.add_argument("--recover-interval", type=_seconds, default=30.0,
-                   help="how often the slot holder recovers attempts whose worker is gone (default 30)")
-    w.add_argument("--liveness", type=_seconds, default=10.0,
-                   help="a lock session silent this long is taken for lost (default 10)")
+    w.add_argument("--recover-interval", type=_seconds, default="30s",
+                   help="how often the slot holder recovers attempts whose worker is gone")
+    w.add_argument("--liveness", type=_seconds, default="10s",
+                   help="a lock session silent this long is taken for lost")
     w.add_argument("--metrics-port", type=int,
                    help="serve Prometheus metrics on 127.0.0.1:PORT (0: a free port, logged at start)")
+    loud = w.add_mutually_exclusive_group()
+    loud.add_argument("--quiet", "-q", action="store_true", help="log warnings and errors only")
+    loud.add_argument("--verbose", "-v", action="store_true", help="log debugging detail too")
 
-    st = sub.add_parser("status", help="one row per lane, with the next safe action")
-    st.add_argument("--json", action="store_true")
+    command("status", "one row per lane, with the next safe action")
 
-    js = sub.add_parser("jobs", help="list jobs, newest first")
-    js.add_argument("--lane")
-    js.add_argument("--status", choices=JOB_STATUSES)
-    js.add_argument("--limit", type=int, default=50, help="at most this many jobs (default 50; 0: all)")
-    js.add_argument("--json", action="store_true")
+    js = command("jobs", "list jobs: queued ones first, in service order, then the newest")
+    js.add_argument("--lane", help="only this lane's jobs")
+    js.add_argument("--status", choices=JOB_STATUSES, help="only jobs with this status")
+    js.add_argument("--limit", type=int, default=50, help="at most this many jobs (0: all)")
 
-    sh = sub.add_parser("show", help="one job, its attempts and the next safe action")
-    sh.add_argument("job", type=int)
-    sh.add_argument("--json", action="store_true")
+    sh = command("show", "one job, its attempts and the next safe action")
+    sh.add_argument("job", type=int, help="the job's id")
 
     for name, text in (("retry", "put a failed or cancelled job back in the queue"),
                        ("cancel", "cancel a queued job")):
-        c = sub.add_parser(name, help=text)
-        c.add_argument("job", type=int)
-        c.add_argument("--json", action="store_true")
+        command(name, text).add_argument("job", type=int, help="the job's id")
 
-    rl = sub.add_parser("release-lease", help="end a strict lane's wait for the lease of a lost attempt whose "
-                        "worker you know is stopped")
-    rl.add_argument("attempt", type=int)
+    rl = command("release-lease", "end a strict lane's wait for the lease of a lost attempt whose worker you "
+                 "know is stopped")
+    rl.add_argument("attempt", type=int, help="the lost attempt's id")
 
-    rc = sub.add_parser("recover", help="mark lost the attempts whose worker is gone")
-    rc.add_argument("lane", nargs="?")
+    rc = command("recover", "mark lost the attempts whose worker is gone")
+    rc.add_argument("lane", nargs="?", help="only this lane (default: every lane)")
     rc.add_argument("--terminate-stuck", action="store_true",
                     help="also end the sessions of attempts past their lease, then recover them")
 
-    pr = sub.add_parser("prune", help="delete finished jobs (and their attempts) older than a duration")
-    pr.add_argument("--older-than", required=True, type=_duration, help="e.g. 7d, 12h, 90m")
-    pr.add_argument("--lane")
+    pr = command("prune", "delete finished jobs (and their attempts) older than a duration")
+    pr.add_argument("--older-than", required=True, type=_age,
+                    help="finished at least this long ago, with its unit: 7d, 12h, 90m")
+    pr.add_argument("--lane", help="only this lane's jobs (default: every lane)")
     pr.add_argument("--batch", type=int, default=5000,
-                    help="delete at most this many jobs per transaction (default 5000); interrupt at will")
+                    help="delete at most this many jobs per transaction; interrupt at will")
     pr.add_argument("--duty", type=_duty, default=0.5,
                     help="the share of its time the prune spends deleting: after each batch it pauses so that "
-                    "the workers beside it keep the rest of the server's CPU (default 0.5; 1 never pauses)")
+                    "the workers beside it keep the rest of the server's CPU (1 never pauses)")
     pr.add_argument("--include-failed", action="store_true",
                     help="also delete failed jobs, whose attempts explain what may have been paid")
 
-    ck = sub.add_parser("check", help="check that the four timeouts agree for every lane")
-    ck.add_argument("--stop-grace", type=_seconds)
-    ck.add_argument("--worker-timeout", type=_seconds)
-    ck.add_argument("--liveness", type=_seconds, default=10.0, help="the workers' --liveness (default 10)")
+    ck = command("check", "check that the four timeouts agree for every lane, and the replication risk")
+    ck.add_argument("--stop-grace", type=_seconds,
+                    help="your process manager's stop grace period (systemd TimeoutStopSec, Kubernetes "
+                    "terminationGracePeriodSeconds); default: not checked")
+    ck.add_argument("--worker-timeout", type=_seconds,
+                    help="the workers' --timeout (default: each lane's job timeout + the default margin)")
+    ck.add_argument("--liveness", type=_seconds, default="10s", help="the workers' --liveness")
 
-    web = sub.add_parser("web", help="the operator's page (needs pglane[web]); read-only unless --allow-actions")
-    web.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    web.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080; 0: a free one, logged)")
+    web = command("web", "the operator's page (needs pglane[web]); read-only unless --allow-actions",
+                  json_flag=False)
+    web.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1: this machine only)")
+    web.add_argument("--port", type=int, default=8080, help="port to listen on (0: a free one, logged)")
     web.add_argument("--allow-actions", action="store_true",
                      help="allow retry, cancel, recover and ending stuck sessions, each confirmed with the token "
                      "from $PGLANE_WEB_TOKEN or --token-file")
     web.add_argument("--token-file", help="a file whose first line is the action token")
     web.add_argument("--root-path", help="the path prefix a reverse proxy serves the page under, e.g. /pglane")
 
-    demo = sub.add_parser("demo", help="the whole promise in under a minute, on an embedded PostgreSQL")
+    demo = command("demo", "the whole promise in under a minute, on an embedded PostgreSQL", json_flag=False)
     demo.add_argument("--data-dir", help="keep the embedded server's data here (default: a temp dir)")
-    srv = sub.add_parser("server", help="a local PostgreSQL for development that stays up, migrated (start "
-                         "prints the PGLANE_DSN to export: eval \"$(pglane server start)\")")
-    srv.add_argument("server_command", choices=("start", "stop", "status"))
+    srv = command("server", "a local PostgreSQL for development that stays up, migrated (start prints the "
+                  "PGLANE_DSN to export: eval \"$(pglane server start)\")", json_flag=False)
+    srv.add_argument("server_command", choices=("start", "stop", "status"), help="what to do with it")
     srv.add_argument("--data-dir", help="its data (default: $XDG_DATA_HOME/pglane/server, else "
                      "~/.local/share/pglane/server)")
     srv.add_argument("--port", type=int, help="the TCP port on 127.0.0.1 (start only; default 54329)")
-    for command in (*sub.choices.values(), *lane.choices.values()):  # --dsn after the command too; it wins
-        command.add_argument("--dsn", default=argparse.SUPPRESS, help=dsn_help)
+    for c in (*sub.choices.values(), *lane.choices.values()):  # --dsn after the command too; it wins
+        c.add_argument("--dsn", default=argparse.SUPPRESS, help=dsn_help)
     return p
 
 
+def _duration0(text: str) -> float:
+    """A duration that may be zero (a grace or a backoff); a bare number is seconds."""
+    try:
+        return durations.parse(text, allow_zero=True)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+        code = _main(args)
+        sys.stdout.flush()  # inside the try: a closed pipe is found here, not at the interpreter's exit
+        return code
+    except BrokenPipeError:
+        return pipe_closed()
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except ConfigurationError as exc:
@@ -269,18 +331,49 @@ def _run(args: argparse.Namespace) -> int:
         return devserver.main(args.server_command, args.data_dir, args.port)
     dsn = client.resolve_dsn(args.dsn)
     if args.command == "migrate":
-        with client.connect(dsn):
-            pass  # a clear error for an unreachable database before alembic's traceback
-        schema.upgrade(dsn)
-        print(f"pglane schema at revision {schema.head()}")
-        return 0
+        return _migrate(dsn, args)
     if args.command == "worker":
         return _worker(dsn, args)
     if args.command == "web":
         return _web(dsn, args)
     with client.connect(dsn) as conn:
         schema.require_current(conn)
-        return _command(conn, args)
+        try:
+            return _command(conn, args)
+        except PermissionDenied as exc:
+            raise PermissionDenied(_true_grant_hint(conn, args, exc)) from None
+
+
+# The pglane role each command needs; lane create and delete write pglane.lanes: its owner only.
+_ROLE_FOR = {"enqueue": "pglane_producer", "worker": "pglane_worker"}
+
+
+def _true_grant_hint(conn: Any, args: argparse.Namespace, exc: PermissionDenied) -> str:
+    """The refusal with a hint that is true for this login: which role to grant, or, when it has that role
+    already, that the command needs the schema's owner (the role that ran pglane migrate)."""
+    what = first_line(exc).split(":")[0]
+    role = _ROLE_FOR.get(args.command, "pglane_operator")
+    owner_only = args.command == "lane" and args.lane_command in ("create", "delete")
+    row = conn.execute(queries.HAS_ROLE, {"role": role}).fetchone()
+    user = conn.execute("SELECT current_user AS u").fetchone()["u"]
+    if owner_only or (row is not None and row["member"]):
+        return (f"{what}: {user} may not do this{' although it has ' + role if row and row['member'] else ''}; "
+                f"run it as the role that owns schema pglane (the one that ran pglane migrate)")
+    return f"{what}: {user} needs the role {role} for this; an administrator grants it: GRANT {role} TO {user}"
+
+
+def _migrate(dsn: str, args: argparse.Namespace) -> int:
+    with client.connect(dsn) as conn:  # a clear error for an unreachable database before alembic's
+        before = schema.current_revision(conn)
+    schema.upgrade(dsn)
+    head = schema.head()
+    if args.json:
+        print(to_json({"revision": head, "previous": before, "changed": before != head}))
+    elif before == head:
+        print(f"pglane schema at revision {head}: already current, nothing to do")
+    else:
+        print(f"pglane schema at revision {head} ({'created' if before is None else f'upgraded from {before}'})")
+    return 0
 
 
 def _web(dsn: str, args: argparse.Namespace) -> int:
@@ -301,82 +394,96 @@ def _worker(dsn: str, args: argparse.Namespace) -> int:
     from . import handler
     from .worker import Worker, WorkerOptions
 
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s")
+    pglane_level = logging.WARNING if args.quiet else logging.DEBUG if args.verbose else logging.INFO
+    logging.getLogger("pglane").setLevel(pglane_level)  # libraries log warnings only, unless --verbose
     options = WorkerOptions(poll_interval=args.poll_interval, max_jobs=args.max_jobs,
                             max_lifetime=args.max_lifetime, timeout=args.timeout, name=args.name,
                             liveness=args.liveness,
                             recover_interval=args.recover_interval, metrics_port=args.metrics_port)
     with client.connect(dsn) as conn:
         schema.require_current(conn)
+    handler.search_cwd()
     return Worker(dsn, args.lane, handler.load(args.handler), options).run()
 
 
 def _command(conn: Any, args: argparse.Namespace) -> int:
     cmd = args.command
-    if cmd == "lane" and args.lane_command == "set":
-        print(client.set_lane(conn, args.name, **_lane_changes(args)))
-    elif cmd == "lane":
-        lane_id = client.create_lane(conn, args.name, slots=args.slots, job_timeout=args.job_timeout,
-                                     lease_timeout=args.lease_timeout, max_attempts=args.max_attempts,
-                                     max_queued=args.max_queued, max_result_bytes=args.max_result_bytes,
-                                     takeover=args.takeover.replace("-", "_"), rate=args.rate)
-        print(f"lane {args.name} created (id {lane_id})")
-    elif cmd == "enqueue":
-        if args.timeout is not None and not args.wait:
-            raise ConfigurationError("--timeout is how long --wait waits: add --wait, or drop --timeout")
-        job = client.enqueue(conn, args.lane, args.payload, key=args.key, if_full=args.if_full, cost=args.cost)
-        if job is None:
-            print(f"pglane: lane {args.lane} is full: nothing was enqueued; try again later", file=sys.stderr)
-            return EXIT_FULL
-        if not args.wait:
-            print(job)
-            return 0
-        try:
-            print(json.dumps(client.wait(conn, job, args.timeout)))
-        except WaitTimeout as exc:
-            print(f"pglane: {exc}", file=sys.stderr)
-            return EXIT_WAIT_TIMEOUT
-    elif cmd == "status":
+    if cmd == "lane":
+        run = {"create": cli_lanes.create, "set": cli_lanes.change, "list": cli_lanes.listing,
+               "show": cli_lanes.show, "delete": cli_lanes.delete}[args.lane_command]
+        return run(conn, args)
+    if cmd == "enqueue":
+        return _enqueue(conn, args)
+    if cmd == "status":
         rows = client.lane_status(conn)
-        print(_json(rows) if args.json else _table(rows, (
+        print(to_json(rows) if args.json else table(rows, (
             "lane", "slots", "consumers", "queued", "running", "done", "failed", "cancelled",
             "oldest_queued_age", "next_safe_action")) if rows else "no lanes yet: pglane lane create NAME")
     elif cmd == "jobs":
         limit = args.limit or None  # 0: every job
         if args.json:  # streamed: a row is written as it comes, the listing is never held whole
-            _json_stream(client.iter_jobs(conn, lane=args.lane, status=args.status, limit=limit))
+            json_stream(client.iter_jobs(conn, lane=args.lane, status=args.status, limit=limit))
         else:
             rows = client.jobs(conn, lane=args.lane, status=args.status, limit=limit)
-            print(_table(rows, ("job_id", "lane", "status", "created_at", "queue_position", "attempts",
-                                "next_safe_action")))
+            print(table(rows, ("job_id", "lane", "status", "created_at", "queue_position", "attempts",
+                               "next_safe_action")))
     elif cmd == "show":
-        job = client.job_status(conn, args.job)
-        job["result"] = client.result(conn, args.job)
-        job["attempt_rows"] = client.attempts(conn, args.job)
-        if args.json:
-            print(_json(job))
-        else:
-            for key in ("job_id", "lane", "status", "created_at", "started_at", "finished_at", "attempts",
-                        "seq", "idempotency_key", "queue_position", "waiting_for_worker", "result", "last_error"):
-                print(f"{key:>18}: {'-' if job.get(key) is None else job[key]}")
-            print()
-            print(_table(job["attempt_rows"], ("id", "attempt_number", "status", "worker", "backend_pid",
-                                               "backend_start", "started_at", "finished_at", "error")))
-            print(f"\nnext safe action: {job['next_safe_action']}")
+        _show(conn, args)
     elif cmd in ("retry", "cancel"):
         done = client.retry(conn, args.job) if cmd == "retry" else client.cancel(conn, args.job)
-        print(_json({"job_id": args.job, cmd: done}) if args.json else f"job {args.job}: {cmd} done")
+        print(to_json({"job_id": args.job, cmd: done}) if args.json else f"job {args.job}: {cmd} done")
     elif cmd == "prune":
-        print(_prune(conn, args))
+        return _prune(conn, args)
     elif cmd == "recover":
         return _recover(conn, args)
     elif cmd == "release-lease":
         client.release_lease(conn, args.attempt)
-        print(f"attempt {args.attempt}: the lane no longer waits for its lease")
+        print(to_json({"attempt_id": args.attempt, "lease_released": True}) if args.json else
+              f"attempt {args.attempt}: the lane no longer waits for its lease")
     elif cmd == "check":
         return _check(conn, args)
     return 0
+
+
+def _enqueue(conn: Any, args: argparse.Namespace) -> int:
+    if args.timeout is not None and not args.wait:
+        raise ConfigurationError("--timeout is how long --wait waits: add --wait, or drop --timeout")
+    job = client.enqueue(conn, args.lane, args.payload, key=args.key, if_full=args.if_full, cost=args.cost)
+    if job is None:
+        if args.json:
+            print(to_json({"job_id": None, "skipped": "lane full"}))
+        print(f"pglane: lane {args.lane} is full: nothing was enqueued; try again later", file=sys.stderr)
+        return EXIT_FULL
+    if not args.wait:
+        print(to_json({"job_id": job}) if args.json else job)
+        return 0
+    try:
+        result = client.wait(conn, job, args.timeout)
+    except WaitTimeout as exc:
+        print(f"pglane: {exc}", file=sys.stderr)
+        return EXIT_WAIT_TIMEOUT
+    print(to_json({"job_id": job, "result": result}) if args.json else json.dumps(result))
+    return 0
+
+
+def _show(conn: Any, args: argparse.Namespace) -> None:
+    job = client.job_status(conn, args.job)
+    job["result"] = client.result(conn, args.job)
+    job["attempt_rows"] = client.attempts(conn, args.job)
+    if args.json:
+        print(to_json(job))
+        return
+    for key in ("job_id", "lane", "status", "created_at", "started_at", "finished_at", "attempts",
+                "seq", "idempotency_key", "queue_position", "waiting_for_worker", "result", "last_error"):
+        value = job.get(key)
+        text = "-" if value is None else json.dumps(value) if key == "result" else str(value)
+        print(f"{key:>18}: {text}")
+    print()
+    print(table(job["attempt_rows"], ("id", "attempt_number", "status", "worker", "backend_pid",
+                                      "backend_start", "started_at", "finished_at", "error")))
+    print(f"\nnext safe action: {job['next_safe_action']}")
 
 
 def _prune(conn: Any, args: argparse.Namespace) -> int:
@@ -414,7 +521,11 @@ def _prune(conn: Any, args: argparse.Namespace) -> int:
     elapsed = time.monotonic() - started
     print(f"pruned {deleted} jobs in {elapsed:.2f}s, deleting for {busy:.2f}s of it (--duty {args.duty:g})",
           file=sys.stderr)
-    return deleted
+    age = durations.format_seconds(args.older_than)
+    print(to_json({"pruned": deleted, "older_than_seconds": args.older_than, "seconds": round(elapsed, 3),
+                   "deleting_seconds": round(busy, 3)}) if args.json else
+          f"pruned {deleted} finished job(s) older than {age}, with their attempts")
+    return 0
 
 
 def _recover(conn: Any, args: argparse.Namespace) -> int:
@@ -423,53 +534,54 @@ def _recover(conn: Any, args: argparse.Namespace) -> int:
         terminated = client.terminate_stuck(conn, args.lane)
     marked = client.recover(conn, args.lane)
     stuck = client.stuck_attempts(conn, args.lane)
-    print(marked)
+    if args.json:
+        print(to_json({"marked_lost": marked, "sessions_ended": terminated, "stuck": stuck}))
+        return 0
+    where = f" of lane {args.lane}" if args.lane else ""
+    print(f"marked {marked} attempt(s){where} lost: their worker was gone" if marked else
+          f"nothing to recover{where}: every running attempt's worker is connected")
     if terminated:
         print(f"ended {terminated} stuck session(s)", file=sys.stderr)
     for row in stuck:
         print(f"stuck: attempt {row['attempt_id']} of job {row['job_id']} (lane {row['lane']}, worker "
-              f"{row['worker']}, pid {row['backend_pid']}) is past its lease and its worker is still connected;"
-              f" end it with: pglane recover {row['lane']} --terminate-stuck", file=sys.stderr)
+              f"{row['worker']}, server session pid {row['backend_pid']}) is past its lease and its worker is still "
+              f"connected; end it with: pglane recover {row['lane']} --terminate-stuck", file=sys.stderr)
     return 0
-
-
-def _lane_changes(args: argparse.Namespace) -> dict[str, Any]:
-    """The settings `lane set` was given (a given 'none' is kept: it removes max_queued or the rate)."""
-    changes = {name: getattr(args, name) for name in ("slots", "job_timeout", "lease_timeout", "max_attempts",
-                                                      "max_result_bytes")
-               if getattr(args, name) is not None}
-    if args.takeover is not None:
-        changes["takeover"] = args.takeover.replace("-", "_")
-    if args.rate is not None:
-        changes["rate"] = None if args.rate.strip().lower() == "none" else args.rate
-    if hasattr(args, "max_queued"):  # absent unless given; given none, it is None
-        changes["max_queued"] = args.max_queued
-    if not changes:
-        raise ConfigurationError("lane set: give at least one setting to change, e.g. --rate 60/min or --slots 3")
-    return changes
 
 
 def _check(conn: Any, args: argparse.Namespace) -> int:
     broken = 0
+    report: list[dict[str, Any]] = []
+    lines: list[str] = []
     for lane in client.lanes(conn):
         worker = args.worker_timeout or timing.default_worker_timeout(lane["job_timeout"], lane["lease_timeout"])
         rules = timing.Timeouts(job=lane["job_timeout"], lease=lane["lease_timeout"], worker=worker,
                                 stop_grace=args.stop_grace,
                                 liveness=args.liveness if lane["takeover"] == "after_lease" else None)
         problems = rules.violations()
+        notes = []
         if problems:
             broken += 1
-            for problem in problems:
-                print(f"lane {lane['name']}: {problem}")
+            lines += [f"lane {lane['name']}: {problem}" for problem in problems]
         else:
             grace = "" if args.stop_grace is None else f", stop grace {args.stop_grace:g}s"
-            print(f"lane {lane['name']}: ok (job {lane['job_timeout']:g}s <= worker {worker:g}s < lease "
-                  f"{lane['lease_timeout']:g}s{grace})")
+            lines.append(f"lane {lane['name']}: ok (job {lane['job_timeout']:g}s <= worker {worker:g}s < lease "
+                         f"{lane['lease_timeout']:g}s{grace})")
         if args.stop_grace is None:  # owned by the process manager: pglane cannot read it
-            print(f"lane {lane['name']}: R3 not checked: give --stop-grace S, your process manager's stop grace "
-                  f"period (systemd TimeoutStopSec, Kubernetes terminationGracePeriodSeconds); it must be at "
-                  f"least {worker:g}s, the worker timeout, or a deploy can cut a call off")
+            notes.append(f"R3 not checked: give --stop-grace S, your process manager's stop grace period (systemd "
+                         f"TimeoutStopSec, Kubernetes terminationGracePeriodSeconds); it must be at least {worker:g}s, "
+                         f"the worker timeout, or a deploy can cut a call off")
+            lines.append(f"lane {lane['name']}: {notes[-1]}")
+        report.append({"lane": lane["name"], "ok": not problems, "problems": problems, "notes": notes,
+                       "job_timeout": lane["job_timeout"], "worker_timeout": worker,
+                       "lease_timeout": lane["lease_timeout"], "stop_grace": args.stop_grace})
+    replicas = []
     for finding in replication.findings(conn):  # a standby promoted without acknowledged claims pays twice
         broken += finding.risk
-        print(f"replication: {'RISK: ' if finding.risk else ''}{finding.text}")
+        replicas.append({"risk": bool(finding.risk), "text": finding.text})
+        lines.append(f"replication: {'RISK: ' if finding.risk else ''}{finding.text}")
+    if args.json:
+        print(to_json({"ok": not broken, "lanes": report, "replication": replicas}))
+    elif lines:
+        print("\n".join(lines))
     return 1 if broken else 0

@@ -14,6 +14,8 @@ import asyncio
 import importlib
 import inspect
 import json
+import os
+import sys
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Coroutine
@@ -27,6 +29,14 @@ from .job import Job
 Handler = Callable[[Job], Any]
 
 
+def search_cwd() -> None:
+    """Put the current working directory first on sys.path, as Celery does: a worker started where the
+    project is finds its handler module (an installed console script's sys.path starts at its bin/)."""
+    here = os.getcwd()
+    if here not in sys.path:
+        sys.path.insert(0, here)
+
+
 def load(spec: str) -> Handler:
     """Import ``package.module:callable``; a ConfigurationError that says what is wrong otherwise."""
     module_name, sep, attr = spec.partition(":")
@@ -35,7 +45,10 @@ def load(spec: str) -> Handler:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
-        raise ConfigurationError(f"cannot import handler module {module_name!r}: {exc}") from None
+        where = f"the current directory {os.getcwd()}, then sys.path"
+        raise ConfigurationError(f"cannot import handler module {module_name!r} ({type(exc).__name__}: {exc}); "
+                                 f"looked in {where}: run the worker from your project's directory or set "
+                                 "PYTHONPATH") from None
     target: Any = module
     for part in attr.split("."):
         target = getattr(target, part, None)

@@ -14,8 +14,10 @@ commit (tests/test_schema.py fails otherwise).
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import tuple_row
 
-from .errors import SchemaError
+from .errors import SchemaError, first_line, translate
 
 _PACKAGE = Path(__file__).resolve().parent
 
@@ -60,18 +62,33 @@ def apply_sql(revision: str, names: Iterable[str]) -> None:
     op.execute("REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA pglane FROM PUBLIC")
 
 
+_REVISION_LINE = re.compile(r"""^(down_revision|revision)\s*(?::[^=]*)?=\s*(?:None|(["'])([^"']+)\2)\s*$""",
+                            re.MULTILINE)
+
+
+@functools.cache
+def revisions() -> dict[str, str | None]:
+    """Every revision this pglane ships and the one it revises (None for the first), read from the
+    ``revision = "..."`` and ``down_revision = ...`` lines of alembic/versions/*.py: no alembic import
+    (SQLAlchemy and alembic cost more start-up than the rest of a command). A test checks that the
+    head found here is alembic's own."""
+    found: dict[str, str | None] = {}
+    for path in sorted((migrations_dir() / "versions").glob("*.py")):
+        lines = {m.group(1): m.group(3) for m in _REVISION_LINE.finditer(path.read_text(encoding="utf-8"))}
+        if lines.get("revision"):
+            found[str(lines["revision"])] = lines.get("down_revision")
+    return found
+
+
 @functools.cache
 def head() -> str:
-    """The revision this pglane's migrations end at, read from alembic's script directory."""
-    import logging
-
-    from alembic.script import ScriptDirectory
-
-    logging.getLogger("alembic").setLevel(logging.WARNING)  # its plugin set-up is no news to a worker's log
-    found = ScriptDirectory(str(migrations_dir())).get_current_head()
-    if found is None:
-        raise SchemaError("pglane's migrations have no head revision; reinstall pglane")
-    return found
+    """The revision this pglane's migrations end at: the one no other revision revises."""
+    known = revisions()
+    heads = sorted(set(known) - {down for down in known.values() if down is not None})
+    if len(heads) != 1:
+        raise SchemaError(f"pglane's migrations have {len(heads)} head revisions ({', '.join(heads) or 'none'});"
+                          " reinstall pglane")
+    return heads[0]
 
 
 def _alembic_config(dsn: str):  # type: ignore[no-untyped-def]
@@ -88,17 +105,64 @@ def _alembic_config(dsn: str):  # type: ignore[no-untyped-def]
 
 
 def upgrade(dsn: str, revision: str = "head") -> None:
-    """Migrate the database at ``dsn`` up to ``revision`` (idempotent; safe to run concurrently)."""
+    """Migrate the database at ``dsn`` up to ``revision`` (idempotent; safe to run concurrently). A
+    database at an older revision is upgraded; one at a revision this pglane does not know (a newer
+    pglane migrated it) is refused with SchemaError. The database's refusals come back unwrapped: a
+    PglaneError (PGL11: the role lacks CREATEROLE) or the psycopg error, never SQLAlchemy's wrapper."""
     from alembic import command
 
-    command.upgrade(_alembic_config(dsn), revision)
+    _refuse_unknown_revision(dsn)
+    with _unwrapped(dsn):
+        command.upgrade(_alembic_config(dsn), revision)
+
+
+def _refuse_unknown_revision(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        at = current_revision(conn)
+    if at is not None and at not in revisions():
+        raise SchemaError(f"the database is at revision {at}, newer than this pglane knows (its newest is {head()}):"
+                          " a newer pglane migrated it; upgrade pglane (pip install -U pglane) and run it again")
+
+
+@contextlib.contextmanager
+def _unwrapped(dsn: str) -> Iterator[None]:
+    """SQLAlchemy's DBAPIError as the database's own error (translated when it is pglane's); alembic's
+    unknown revision as SchemaError; a missing CREATE on the database as what to grant."""
+    from alembic.util.exc import CommandError
+    from sqlalchemy.exc import DBAPIError
+
+    try:
+        yield
+    except DBAPIError as exc:
+        orig = exc.orig
+        if not isinstance(orig, psycopg.Error):
+            raise
+        if orig.sqlstate == "42501" and "CREATE SCHEMA" in str(exc.statement or "").upper():
+            raise SchemaError(_create_schema_refused(dsn)) from None
+        mapped = translate(orig)
+        raise (mapped if mapped is not None else orig) from None
+    except CommandError as exc:
+        if "Can't locate revision" not in str(exc):
+            raise
+        raise SchemaError(f"{first_line(exc)}: the database was migrated by a newer pglane; upgrade pglane"
+                          " (pip install -U pglane) and run it again") from None
+
+
+def _create_schema_refused(dsn: str) -> str:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT current_database(), current_user").fetchone()
+    db, role = (str(v) for v in row) if row is not None else ("<database>", "<role>")
+    return (f"role {role} may not create schema pglane in database {db}; have an administrator run: "
+            f"GRANT CREATE ON DATABASE {sql.Identifier(db).as_string()} TO {sql.Identifier(role).as_string()};"
+            " then run pglane migrate again")
 
 
 def downgrade(dsn: str, revision: str = "base") -> None:
     """Migrate down; at ``base`` the then empty ``pglane`` schema is dropped too."""
     from alembic import command
 
-    command.downgrade(_alembic_config(dsn), revision)
+    with _unwrapped(dsn):
+        command.downgrade(_alembic_config(dsn), revision)
     if revision == "base":
         with psycopg.connect(dsn, autocommit=True) as conn:
             leftovers = conn.execute(

@@ -69,18 +69,9 @@ class Timeouts:
         return broken
 
 
-_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
-
-
 def parse_duration(text: str) -> float:
-    """Seconds from '90', '90s', '15m', '12h', '7d' or '2w'; ValueError that says what is accepted."""
-    raw = text.strip().lower()
-    unit = raw[-1:] if raw[-1:] in _UNITS else "s"
-    number = raw[:-1] if raw[-1:] in _UNITS else raw
-    try:
-        value = float(number) * _UNITS[unit]
-    except ValueError:
-        raise ValueError(f"{text!r} is not a duration; use e.g. 90s, 15m, 12h or 7d") from None
-    if not value >= 0 or value == float("inf"):
-        raise ValueError(f"{text!r} must be a non-negative, finite duration")
-    return value
+    """Seconds from '90', '90s', '15m', '1h30m', '7d' (pglane.durations, the one parser); ValueError
+    that says what is accepted."""
+    from .durations import parse
+
+    return parse(text, allow_zero=True)
