@@ -459,16 +459,23 @@ class Worker:
                 return
         row = session.execute(queries.FAIL, (attempt, outcome.error, outcome.timed_out, token))
         self._pending = None
-        self._written(claim, bool((row or {}).get("fail")), ok=False)
+        self._written(claim, bool((row or {}).get("fail")), ok=False, timed_out=outcome.timed_out)
 
-    def _written(self, claim: Claim, accepted: bool, *, ok: bool) -> None:
+    def _written(self, claim: Claim, accepted: bool, *, ok: bool, timed_out: bool = False) -> None:
         """An outcome reached the database: counted, if the guard accepted it, as what was written (a
-        result the database could not store was written as a failure); logged if the guard refused it."""
-        if self._metrics is not None and accepted:
-            (self._metrics.done if ok else self._metrics.failed).inc()
+        result the database could not store was written as a failure), and logged in one line a person
+        reads (lane, job, attempt, outcome, seconds since the claim); a warning if the guard refused it."""
+        job = claim.job
         if not accepted:
             log.warning("outcome of attempt %s of job %s refused: a newer attempt exists or the job was "
-                        "finished elsewhere; nothing was overwritten", claim.job.attempt_id, claim.job.id)
+                        "finished elsewhere; nothing was overwritten", job.attempt_id, job.id)
+            return
+        if self._metrics is not None:
+            (self._metrics.done if ok else self._metrics.failed).inc()
+        if log.isEnabledFor(logging.INFO):
+            log.info("lane %s job %s attempt %s (#%s) %s in %.3fs", job.lane, job.id, job.attempt_id,
+                     job.attempt_number, "done" if ok else "timed_out" if timed_out else "failed",
+                     time.monotonic() - claim.sent_at)
 
 
 def unstored_sql(claim: Claim, outcome: Outcome) -> str:
