@@ -186,6 +186,9 @@ def current_revision(conn: psycopg.Connection[Any]) -> str | None:
 def require_current(conn: psycopg.Connection[Any]) -> None:
     """Raise SchemaError unless the database is at the head revision."""
     revision = current_revision(conn)
+    if revision is not None and revision not in revisions():
+        raise SchemaError(f"the database is at revision {revision}, newer than this pglane knows (its newest is "
+                          f"{head()}): a newer pglane migrated it; upgrade pglane (pip install -U pglane)")
     if revision != head():
         state = "not migrated" if revision is None else f"at revision {revision}"
         raise SchemaError(
