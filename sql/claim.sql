@@ -50,6 +50,7 @@ DECLARE
     v_cut     timestamptz := '-infinity';  -- pending starts at or before it have left the window (purge)
     v_look    record;           -- the lane, and a rate-limited lane's look (below), read in one statement
     v_started boolean := false; -- a rate-limited lane's start already counted and recorded (the fast path)
+    v_mark    bigint;           -- the claiming session's mark (sessions.sql)
     r         pglane.claimed;
 BEGIN
     SELECT l AS lane,
@@ -273,11 +274,12 @@ BEGIN
     RETURNING j.attempts, j.payload, j.idempotency_key INTO r.attempt_number, r.payload, r.idempotency_key;
 
     r.lease_expires_at := coalesce(v_at, now()) + v_lane.lease_timeout;
+    v_mark := pglane.session_mark();  -- the claiming session's identity (sessions.sql)
     INSERT INTO pglane.attempts AS a
-           (job_id, attempt_number, worker, backend_pid, backend_start, started_at, lease_expires_at, seq, token)
-    SELECT r.job_id, r.attempt_number, p_worker, pg_backend_pid(), s.backend_start, coalesce(v_at, now()),
-           r.lease_expires_at, r.seq, gen_random_uuid()
-      FROM pg_stat_get_activity(pg_backend_pid()) s
+           (job_id, attempt_number, worker, backend_pid, backend_start, session_mark, started_at, lease_expires_at,
+            seq, token)
+    VALUES (r.job_id, r.attempt_number, p_worker, pg_backend_pid(), pglane.mark_time(v_mark), v_mark,
+            coalesce(v_at, now()), r.lease_expires_at, r.seq, gen_random_uuid())
     RETURNING a.id, a.token INTO r.attempt_id, r.token;
     r.lane := p_lane;
     RETURN r;
@@ -285,7 +287,7 @@ END $$;
 
 -- claim: take the lane's oldest eligible queued job for the calling session, which must hold a slot
 -- of the lane (raises PGL06 otherwise). One short transaction: the job becomes running, its attempt
--- row records the session identity (pid + backend_start) that recovery later checks, and the lane's
+-- row records the session identity (pid and mark, sessions.sql) that recovery later checks, and the lane's
 -- gapless seq is bumped under the counters row lock. SKIP LOCKED lets several slots claim at once
 -- without waiting on each other's candidate rows. Returns no row when nothing is eligible.
 -- The row's `token` is the attempt's secret: complete() and fail() from any other session need it
@@ -307,17 +309,15 @@ AS $$
 $$;
 
 
--- may_write: whether the caller may write an outcome of an attempt whose token, session pid and
--- session start are given: it holds the token, or, giving none, it is the claiming session itself
--- (a consumer that claims and completes on one connection needs no token; a late result after a
--- reconnect does). Not inlined (its sub-select forbids it): the guards below test a matching token
--- first, so the worker's completions never call it.
+-- may_write: whether the caller may write an outcome of an attempt whose token and claiming session
+-- are given: it holds the token, or, giving none, it is the claiming session itself (a consumer that
+-- claims and completes on one connection needs no token; a late result after a reconnect does). Not
+-- inlined: the guards below test a matching token first, so the worker's completions never call it.
 CREATE OR REPLACE FUNCTION pglane.may_write(p_token uuid, p_attempt_token uuid, p_pid integer,
-                                            p_backend_start timestamptz) RETURNS boolean
+                                            p_backend_start timestamptz, p_session_mark bigint) RETURNS boolean
 LANGUAGE sql STABLE AS $$
     SELECT CASE WHEN p_token IS NOT NULL THEN p_token = p_attempt_token
-                ELSE p_pid = pg_backend_pid()
-                     AND p_backend_start = (SELECT s.backend_start FROM pg_stat_get_activity(pg_backend_pid()) s)
+                ELSE pglane.is_claiming_session(p_pid, p_backend_start, p_session_mark)
            END;
 $$;
 
@@ -356,7 +356,7 @@ BEGIN
     UPDATE pglane.jobs j SET status = 'done', finished_at = now(), result = p_result
       FROM pglane.attempts a
      WHERE a.id = p_attempt_id AND j.id = a.job_id AND j.status = 'running' AND j.attempts = a.attempt_number
-       AND (a.token = p_token OR pglane.may_write(p_token, a.token, a.backend_pid, a.backend_start));
+       AND (a.token = p_token OR pglane.may_write(p_token, a.token, a.backend_pid, a.backend_start, a.session_mark));
     IF FOUND THEN
         UPDATE pglane.attempts a SET status = 'done', finished_at = now()
          WHERE a.id = p_attempt_id AND a.status = 'running';
@@ -366,7 +366,7 @@ BEGIN
         RETURN true;
     END IF;
 
-    SELECT a.job_id, a.attempt_number, pglane.may_write(p_token, a.token, a.backend_pid, a.backend_start)
+    SELECT a.job_id, a.attempt_number, pglane.may_write(p_token, a.token, a.backend_pid, a.backend_start, a.session_mark)
       INTO v_job, v_number, v_proof FROM pglane.attempts a WHERE a.id = p_attempt_id;
     IF NOT FOUND THEN
         RETURN false;
@@ -430,7 +430,7 @@ BEGIN
     p_error := pglane.bounded_error(coalesce(nullif(btrim(p_error, E' \t\r\n'), ''),
                         'failed without a reason: the consumer called pglane.fail() with an empty error'));
     IF NOT EXISTS (SELECT 1 FROM pglane.attempts a WHERE a.id = p_attempt_id
-                      AND (a.token = p_token OR pglane.may_write(p_token, a.token, a.backend_pid, a.backend_start))) THEN
+                      AND (a.token = p_token OR pglane.may_write(p_token, a.token, a.backend_pid, a.backend_start, a.session_mark))) THEN
         IF EXISTS (SELECT 1 FROM pglane.attempts a WHERE a.id = p_attempt_id) THEN
             PERFORM pglane.not_the_claimer(p_attempt_id);
         END IF;

@@ -59,6 +59,12 @@ BEGIN
                              length(NEW.idempotency_key)),
             HINT = 'hash a long request identity down to a short key';
     END IF;
+    -- A key whose job was pruned is remembered for the lane's key_retention (history.sql, keep_keys):
+    -- the request was served once, and is not served again, whatever the payload (PGL14). Another
+    -- producer's pruned key is refused as a key in use is (PGL05), revealing nothing of its job.
+    IF NEW.idempotency_key IS NOT NULL THEN
+        PERFORM pglane.refuse_pruned_key(NEW.lane, NEW.idempotency_key);
+    END IF;
     -- cost: what the job's start counts against its lane's rate limit (1 unless given; below 1 its
     -- domain, pglane.job_cost, refused it already: check_violation job_cost_positive).
     NEW.cost := coalesce(NEW.cost, 1);
@@ -157,6 +163,32 @@ LANGUAGE sql AS $$
                - (SELECT c.left_queue FROM pglane.lane_counters c WHERE c.lane_id = l.id) >= l.max_queued
       FROM pglane.lanes l WHERE l.name = p_lane;
 $$;
+
+-- refuse_pruned_key: raise JobPruned (PGL14) when key p_key of lane p_lane belonged to a job that was
+-- pruned within the lane's key retention; nothing otherwise.
+CREATE OR REPLACE FUNCTION pglane.refuse_pruned_key(p_lane text, p_key text) RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
+DECLARE
+    k pglane.pruned_keys;
+BEGIN
+    SELECT * INTO k FROM pglane.pruned_keys p
+     WHERE p.lane = p_lane AND p.idempotency_key = p_key AND p.forget_after > now();
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    IF k.enqueued_by IS DISTINCT FROM pglane.caller() AND NOT pglane.sees_every_job(pglane.caller()::name) THEN
+        RAISE EXCEPTION USING ERRCODE = 'PGL05',
+            MESSAGE = format('idempotency key %L of lane %L is in use by another producer', p_key, p_lane),
+            HINT = 'keys are shared by every producer of a lane: prefix yours with your application''s name';
+    END IF;
+    RAISE EXCEPTION USING ERRCODE = 'PGL14',
+        MESSAGE = format('idempotency key %L of lane %L belonged to job %s, which was %s and has been pruned: '
+                         'it is not run again', p_key, p_lane, k.job_id, k.status),
+        DETAIL = format('job_id=%s', k.job_id),
+        HINT = format('use a new key to make a new request; this key is remembered until %s', k.forget_after);
+END $$;
 
 -- enqueue: add a job and return its id (p_if_full 'skip': NULL when the bounded lane is full, nothing
 -- written, no error; p_cost: what its start counts against the lane's rate). The same key again returns the existing job's id, whatever

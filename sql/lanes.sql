@@ -85,6 +85,7 @@ SET search_path = pg_catalog, pglane, pg_temp
 AS $$
 BEGIN
     DELETE FROM pglane.lane_starts s WHERE s.lane_id = OLD.id;
+    DELETE FROM pglane.pruned_keys k WHERE k.lane = OLD.name;  -- a lane made again starts with no keys
     RETURN NULL;
 END $$;
 
@@ -275,7 +276,7 @@ $$;
 -- keeps the lease it was given). p_settings names what changes: slots, job_timeout, lease_timeout
 -- (seconds, or an interval such as '10 minutes'), max_attempts, max_queued (null: unbounded),
 -- rate ('10/s', null or 'none': unlimited), takeover, waiting_grace, retry_backoff, max_payload_bytes,
--- max_result_bytes. Validated as lane create is (the lanes CHECKs, R1 among them); a lowered rate is
+-- max_result_bytes, key_retention (how long a pruned job's key is remembered). Validated as lane create is (the lanes CHECKs, R1 among them); a lowered rate is
 -- refused while a queued job costs more than it allows (that job could never start). Returns what
 -- changed and what it means for running workers. Nothing changes when anything is refused.
 CREATE OR REPLACE FUNCTION pglane.set_lane(p_lane text, p_settings jsonb) RETURNS text
@@ -302,10 +303,11 @@ BEGIN
     END IF;
     FOR v_key IN SELECT jsonb_object_keys(p_settings) LOOP
         IF v_key NOT IN ('slots', 'job_timeout', 'lease_timeout', 'max_attempts', 'max_queued', 'rate', 'takeover',
-                         'waiting_grace', 'retry_backoff', 'max_payload_bytes', 'max_result_bytes') THEN
+                         'waiting_grace', 'retry_backoff', 'max_payload_bytes', 'max_result_bytes',
+                         'key_retention') THEN
             RAISE EXCEPTION USING ERRCODE = 'PGL10', MESSAGE = format('unknown lane setting %L', v_key),
                 HINT = 'settings: slots, job_timeout, lease_timeout, max_attempts, max_queued, rate, takeover, '
-                       'waiting_grace, retry_backoff, max_payload_bytes, max_result_bytes';
+                       'waiting_grace, retry_backoff, max_payload_bytes, max_result_bytes, key_retention';
         END IF;
         IF jsonb_typeof(p_settings -> v_key) = 'null' AND v_key NOT IN ('max_queued', 'rate') THEN
             RAISE EXCEPTION USING ERRCODE = 'PGL10', MESSAGE = format('lane setting %s cannot be removed', v_key),
@@ -322,6 +324,7 @@ BEGIN
         v_new.lease_timeout := coalesce((p_settings ->> 'lease_timeout')::interval, v_old.lease_timeout);
         v_new.waiting_grace := coalesce((p_settings ->> 'waiting_grace')::interval, v_old.waiting_grace);
         v_new.retry_backoff := coalesce((p_settings ->> 'retry_backoff')::interval, v_old.retry_backoff);
+        v_new.key_retention := coalesce((p_settings ->> 'key_retention')::interval, v_old.key_retention);
         IF p_settings ? 'max_queued' THEN
             v_new.max_queued := (p_settings ->> 'max_queued')::integer;
         END IF;
@@ -357,7 +360,7 @@ BEGIN
            max_attempts = v_new.max_attempts, max_queued = v_new.max_queued, rate_limit = v_new.rate_limit,
            rate_period = v_new.rate_period, takeover = v_new.takeover, waiting_grace = v_new.waiting_grace,
            retry_backoff = v_new.retry_backoff, max_payload_bytes = v_new.max_payload_bytes,
-           max_result_bytes = v_new.max_result_bytes
+           max_result_bytes = v_new.max_result_bytes, key_retention = v_new.key_retention
      WHERE l.id = v_old.id;
     -- Wake the lane's workers: one sleeping until a rate allows a start may start sooner now.
     PERFORM pg_notify('pglane_' || v_old.id, 'settings');

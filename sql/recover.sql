@@ -1,24 +1,6 @@
 -- Recovery and a person's decisions: evidence-based recovery of attempts whose worker is gone,
 -- the stuck report, retry and cancel.
 
--- session_alive: whether the session that claimed an attempt still exists and still holds a slot of
--- the attempt's lane. Both are evidence: an exiting backend releases its advisory locks a moment
--- before it leaves pg_stat_activity, and a correct worker never lets go of its slot during a call.
--- When the session exists but its start time cannot be read (no privilege), it counts as alive:
--- pglane never marks an attempt lost without proof.
-CREATE OR REPLACE FUNCTION pglane.session_alive(
-    p_pid integer, p_backend_start timestamptz, p_lane_id integer, p_slots integer
-) RETURNS boolean
-LANGUAGE sql STABLE
-SET search_path = pg_catalog, pglane, pg_temp
-AS $$
-    SELECT EXISTS (SELECT 1 FROM pg_stat_get_activity(p_pid) s
-                    WHERE s.backend_start IS NULL OR s.backend_start = p_backend_start)
-       AND EXISTS (SELECT 1 FROM pglane.slot_holders h
-                    WHERE h.pid = p_pid AND h.lane_id = p_lane_id AND h.slot <= p_slots
-                      AND h.granted AND h.mode = 'ExclusiveLock');
-$$;
-
 -- in_flight: the calls of lane p_lane that may be in flight right now: running attempts, and lost ones
 -- whose lease has not passed on the database clock and that nobody released (release_lease): the
 -- worker of such an attempt may still be calling. `lease_ends` and `lost_attempt` name the lost
@@ -67,7 +49,7 @@ END $$;
 CREATE OR REPLACE VIEW pglane.running_attempts AS
 SELECT a.id AS attempt_id, a.job_id, j.lane, l.id AS lane_id, a.attempt_number, a.worker,
        a.backend_pid, a.backend_start, a.started_at, a.lease_expires_at,
-       pglane.session_alive(a.backend_pid, a.backend_start, l.id, l.slots) AS alive,
+       pglane.session_alive(a.backend_pid, a.backend_start, a.session_mark, l.id, l.slots) AS alive,
        now() > a.lease_expires_at AS past_lease
   FROM pglane.jobs j
   JOIN pglane.lanes l ON l.name = j.lane

@@ -426,7 +426,7 @@ SELECT j.id AS job_id, j.lane, j.status, j.created_at, j.run_after, j.started_at
                ELSE format('wait: every slot of lane %s is busy; add slots and workers to go faster', j.lane)
            END
            WHEN 'running' THEN CASE
-               WHEN NOT pglane.session_alive(a.backend_pid, a.backend_start, l.id, l.slots) THEN
+               WHEN NOT pglane.session_alive(a.backend_pid, a.backend_start, a.session_mark, l.id, l.slots) THEN
                    format('run: pglane recover %s (the worker of attempt %s is gone)', j.lane, a.id)
                WHEN now() > a.lease_expires_at THEN
                    format('inspect stuck attempt %s: past its lease, worker %s (pid %s) still connected; '

@@ -153,18 +153,26 @@ def test_a_worker_on_a_higher_slot_claims_without_touching_the_free_lower_ones(
 
 
 def test_claim_records_the_session_identity_and_the_lease(conn: Any, lane: str) -> None:
-    pglane.enqueue(conn, lane, {})
+    """The identity is the session's pid and its mark, a session advisory lock it holds (pg_locks, which
+    any role may read; docs/managed.md); backend_start is the mark's time. A session keeps one mark."""
+    for _ in range(2):
+        pglane.enqueue(conn, lane, {})
     take_slot(conn, lane)
-    row = claim(conn)
-    assert row is not None
-    attempt = conn.execute(
-        "SELECT a.backend_pid = pg_backend_pid() AS pid_ok,"
-        " a.backend_start = (SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()) AS start_ok,"
+    rows = [claim(conn), claim(conn)]
+    attempts = [conn.execute(
+        "SELECT a.backend_pid = pg_backend_pid() AS pid_ok, a.session_mark,"
+        " a.backend_start = pglane.mark_time(a.session_mark) AS start_ok,"
+        " EXISTS (SELECT 1 FROM pg_locks k WHERE k.locktype = 'advisory' AND k.objsubid = 1 AND k.granted"
+        "         AND k.pid = pg_backend_pid() AND (k.classid::bigint << 32 | k.objid::bigint) = a.session_mark)"
+        "   AS mark_held,"
         " a.lease_expires_at - a.started_at AS lease, a.status, a.worker FROM pglane.attempts a WHERE id = %s",
         (row["attempt_id"],),
-    ).fetchone()
-    assert attempt["pid_ok"] and attempt["start_ok"]
-    assert attempt["lease"].total_seconds() == 22 and attempt["status"] == "running" and attempt["worker"] == "test"
+    ).fetchone() for row in rows if row is not None]
+    assert len(attempts) == 2
+    for attempt in attempts:
+        assert attempt["pid_ok"] and attempt["start_ok"] and attempt["mark_held"]
+        assert attempt["lease"].total_seconds() == 22 and attempt["status"] == "running" and attempt["worker"] == "test"
+    assert attempts[0]["session_mark"] == attempts[1]["session_mark"], "a session took a second mark"
 
 
 def test_completion_is_accepted_once_and_stores_the_result(conn: Any, lane: str) -> None:

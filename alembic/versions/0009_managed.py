@@ -1,0 +1,106 @@
+"""Managed PostgreSQL and the first hour (#29): a session identity any role can check, and keys that
+outlive prune.
+
+Revision ID: 0009
+Revises: 0008
+Create Date: 2026-12-06
+
+- attempts.session_mark: the claiming session's mark (sql/sessions.sql), a session advisory lock key
+  that pg_locks shows to every role. The claim no longer reads pg_stat_activity, which hides another
+  role's backend_start from an owner that is neither superuser nor in pg_read_all_stats (managed
+  PostgreSQL): there, every claim failed on attempts.backend_start NOT NULL. backend_start now says
+  when the claiming session took its mark. Attempts claimed before this revision keep NULL and are
+  judged by pg_stat_activity as before (running ones may be mid-call during the upgrade).
+- lanes.key_retention and pruned_keys: a pruned job's idempotency key is remembered for its lane's
+  retention (30 days by default): the same key then gets JobPruned (PGL14), never a second paid call.
+  prune() and prune_batch() gain p_forget_keys.
+
+Downgrade restores 0008's text from alembic/frozen/0008/.
+"""
+
+from alembic import op
+from pglane.schema import apply_sql
+
+revision = "0009"
+down_revision = "0008"
+branch_labels = None
+depends_on = None
+
+APPLIES = ("lanes.sql", "sessions.sql", "enqueue.sql", "claim.sql", "recover.sql", "history.sql", "views.sql")
+NEW_FILES = ("sessions.sql",)  # sql/ files 0008 did not have: a downgrade does not apply them
+
+ROLES = "pglane_producer, pglane_worker, pglane_operator"
+
+BEFORE = """
+    ALTER TABLE pglane.attempts ADD COLUMN session_mark bigint;
+    COMMENT ON COLUMN pglane.attempts.session_mark IS
+        'the claiming session''s mark: a session advisory lock key (bigint form) it holds while it lives;'
+        ' NULL for attempts claimed before revision 0009 (judged by pg_stat_activity''s backend_start)';
+    COMMENT ON COLUMN pglane.attempts.backend_start IS
+        'when the claiming session took its mark (its pglane identity, with backend_pid and session_mark);'
+        ' before revision 0009, the backend''s start from pg_stat_activity';
+    ALTER TABLE pglane.lanes ADD COLUMN key_retention interval NOT NULL DEFAULT '30 days',
+        ADD CONSTRAINT lane_key_retention_valid CHECK (key_retention BETWEEN '0' AND '10 years');
+    COMMENT ON COLUMN pglane.lanes.key_retention IS
+        'how long after a job finished its idempotency key is remembered once the job is pruned';
+    CREATE TABLE pglane.pruned_keys (
+        lane            text        NOT NULL,  -- no foreign key: lanes_after_delete forgets a lane's keys
+        idempotency_key text        NOT NULL,
+        job_id          bigint      NOT NULL,
+        status          text        NOT NULL,
+        enqueued_by     text,
+        finished_at     timestamptz NOT NULL,
+        forget_after    timestamptz NOT NULL,
+        PRIMARY KEY (lane, idempotency_key)
+    );
+    COMMENT ON TABLE pglane.pruned_keys IS
+        'the idempotency keys of pruned jobs, each remembered until forget_after: a repeated request is refused'
+        ' with the pruned job''s id (PGL14) rather than paid for again';
+    -- New signatures: dropped here, re-created by sql/, granted again below.
+    DROP FUNCTION pglane.prune(interval, text, boolean);
+    DROP FUNCTION pglane.prune_batch(interval, text, boolean, bigint, integer);
+"""
+AFTER = f"""
+    DROP FUNCTION pglane.session_alive(integer, timestamptz, integer, integer);
+    DROP FUNCTION pglane.may_write(uuid, uuid, integer, timestamptz);
+    GRANT EXECUTE ON FUNCTION pglane.session_alive(integer, timestamptz, bigint, integer, integer),
+                              pglane.holds_mark(integer, bigint), pglane.mark_time(bigint) TO {ROLES};
+    GRANT EXECUTE ON FUNCTION pglane.prune(interval, text, boolean, boolean),
+                              pglane.prune_batch(interval, text, boolean, bigint, integer, boolean)
+        TO pglane_operator;
+    GRANT SELECT (session_mark) ON pglane.attempts TO pglane_worker;
+    GRANT SELECT ON pglane.pruned_keys TO pglane_operator;
+"""
+
+UNDO_BEFORE = """
+    DROP FUNCTION pglane.prune(interval, text, boolean, boolean),
+                  pglane.prune_batch(interval, text, boolean, bigint, integer, boolean),
+                  pglane.keep_keys(pglane.jobs[], boolean), pglane.refuse_pruned_key(text, text);
+"""
+UNDO_AFTER = f"""
+    DROP FUNCTION pglane.session_alive(integer, timestamptz, bigint, integer, integer),
+                  pglane.may_write(uuid, uuid, integer, timestamptz, bigint),
+                  pglane.is_claiming_session(integer, timestamptz, bigint),
+                  pglane.holds_mark(integer, bigint), pglane.session_mark(), pglane.mark_time(bigint);
+    GRANT EXECUTE ON FUNCTION pglane.session_alive(integer, timestamptz, integer, integer) TO {ROLES};
+    GRANT EXECUTE ON FUNCTION pglane.prune(interval, text, boolean),
+                              pglane.prune_batch(interval, text, boolean, bigint, integer) TO pglane_operator;
+    DROP TABLE pglane.pruned_keys;
+    ALTER TABLE pglane.lanes DROP COLUMN key_retention;
+    ALTER TABLE pglane.attempts DROP COLUMN session_mark;
+    COMMENT ON COLUMN pglane.attempts.backend_start IS NULL;
+"""
+
+
+def upgrade() -> None:
+    op.execute(BEFORE)
+    apply_sql(revision, APPLIES)
+    op.execute(AFTER)
+
+
+def downgrade() -> None:
+    """0008's text comes back over this revision's (its session_alive and may_write beside the new
+    ones, which go after, as the columns they read do)."""
+    op.execute(UNDO_BEFORE)
+    apply_sql("0008", [name for name in APPLIES if name not in NEW_FILES])
+    op.execute(UNDO_AFTER)
