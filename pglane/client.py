@@ -234,13 +234,15 @@ def release_lease(conn: Target, attempt_id: int) -> bool:
 
 def prune(conn: Target, older_than: float, *, lane: str | None = None,
           include_failed: bool = False, batch: int | None = None,
-          progress: Callable[[int], object] | None = None) -> int:
+          progress: Callable[[int], object] | None = None, forget_keys: bool = False) -> int:
     """Delete finished jobs older than ``older_than`` seconds (failed ones only if asked); returns how many.
     With ``batch``, in steps of at most that many jobs, each in its own short transaction (the
     connection must be in autocommit), ``progress`` called with the total so far after each: it may
-    be interrupted at any step and run again."""
+    be interrupted at any step and run again. A pruned job's idempotency key is remembered for its
+    lane's key retention (30 days by default): the same key then raises JobPruned, never runs again;
+    ``forget_keys`` forgets the keys of the jobs pruned now (the same key then makes a new job)."""
     return run(conn, statements.prune(older_than, lane=lane, include_failed=include_failed, batch=batch,
-                                      progress=progress))
+                                      progress=progress, forget_keys=forget_keys))
 
 
 def prunable(conn: Target, older_than: float, *, lane: str | None = None,

@@ -199,6 +199,9 @@ def translate(exc: psycopg.Error) -> PglaneError | None:
         if code == LaneFull.sqlstate:  # the detail the SQL writes: retry_after_seconds=N, or empty
             after = (diag.message_detail or "").removeprefix("retry_after_seconds=")
             return LaneFull(message, float(after) if after.replace(".", "", 1).isdigit() else None)
+        if code == JobPruned.sqlstate:  # the detail the SQL writes: job_id=N
+            job = (diag.message_detail or "").removeprefix("job_id=")
+            return JobPruned(int(job) if job.isascii() and job.isdigit() else None, message=message)
         return SQLSTATES[code](message)
     if code == "23514":  # check_violation
         name = diag.constraint_name or ""
@@ -237,14 +240,19 @@ class JobCancelled(PglaneError):
 
 
 class JobPruned(UnknownJob):
-    """The awaited job finished and was deleted by ``pglane prune`` since: its result is gone (results
-    stay readable until a prune deletes them). An UnknownJob, with the reason."""
+    """The job finished and was deleted by ``pglane prune`` since: its result is gone. Met by a wait for
+    it, and by an enqueue that repeats its idempotency key within its lane's key retention (PGL14,
+    nothing written: the request was served once and is not paid for again). An UnknownJob, with the
+    reason; ``job_id`` is the pruned job's."""
 
-    def __init__(self, job_id: int, *, pruned_at: object) -> None:
+    sqlstate = "PGL14"
+
+    def __init__(self, job_id: int | None, *, pruned_at: object = None, message: str | None = None) -> None:
         self.job_id, self.pruned_at = job_id, pruned_at
-        super().__init__(f"job {job_id} finished and was pruned at {pruned_at}: its result is no longer stored"
-                         " (results stay readable until pglane prune deletes them); enqueue it again with a new key"
-                         " to run it again")
+        super().__init__(message or (
+            f"job {job_id} finished and was pruned at {pruned_at}: its result is no longer stored"
+            " (results stay readable until pglane prune deletes them); enqueue it again with a new key"
+            " to run it again"))
 
 
 class WaitTimeout(PglaneError):

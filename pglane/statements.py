@@ -153,12 +153,12 @@ def release_lease(attempt_id: int) -> Plan[bool]:
 
 
 def prune(older_than: float, *, lane: str | None, include_failed: bool, batch: int | None,
-          progress: Callable[[int], object] | None) -> Plan[int]:
+          progress: Callable[[int], object] | None, forget_keys: bool = False) -> Plan[int]:
     if batch is None:
-        return int((yield Query(queries.PRUNE, (older_than, lane, include_failed)))["prune"])
+        return int((yield Query(queries.PRUNE, (older_than, lane, include_failed, forget_keys)))["prune"])
     total, after = 0, 0
     while True:  # each step its own statement: on a pool, its own borrowed connection and transaction
-        row = yield Query(queries.PRUNE_BATCH, (older_than, lane, include_failed, after, batch))
+        row = yield Query(queries.PRUNE_BATCH, (older_than, lane, include_failed, after, batch, forget_keys))
         if row["last_id"] is None:
             return total
         total, after = total + int(row["deleted"]), int(row["last_id"])
