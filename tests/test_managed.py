@@ -273,3 +273,25 @@ def test_a_worker_cannot_claim_under_another_sessions_identity(managed: Managed)
         with pytest.raises(pglane.errors.NotTheClaimer), pglane.client.translated():
             second.execute("SELECT pglane.complete(%s, '{}')", (mine["attempt_id"],))
         assert first.execute("SELECT pglane.complete(%s, '{}') AS ok", (mine["attempt_id"],)).fetchone()["ok"]
+
+
+def test_check_says_plainly_what_each_role_lacks(managed: Managed) -> None:
+    new_lane(managed)  # check reads the lanes too
+    for login in ("owner", "operator", "worker"):
+        done = managed.cli(login, "check", "--json", check=False)
+        report = json.loads(done.stdout)
+        rights = {r["text"].split(";")[0]: r["missing"] for r in report["privileges"]}
+        assert any("need no privilege" in text or "pglane's" in text for text in rights), report
+        signal_missing = any("pg_signal_backend" in r["text"] and r["missing"] for r in report["privileges"])
+        # Ending a stuck worker's session is the one thing that needs more, and only operators do it.
+        assert signal_missing == (login in ("owner", "operator")), (login, report["privileges"])
+        assert report["ok"] == (done.returncode == 0)
+    managed.admin.execute("GRANT pg_signal_backend TO managed_operator")
+    try:
+        report = json.loads(managed.cli("operator", "check", "--json", check=False).stdout)
+        assert not any(r["missing"] for r in report["privileges"]), report["privileges"]
+    finally:
+        managed.admin.execute("REVOKE pg_signal_backend FROM managed_operator")
+    stranger = managed.cli("stranger", "check", check=False)
+    assert stranger.returncode != 0 and "Traceback" not in stranger.stderr
+    assert "GRANT pglane_" in stranger.stderr + stranger.stdout, stranger
