@@ -89,8 +89,8 @@ SELECT DISTINCT format('ALTER DOMAIN %s DROP CONSTRAINT %I', c.contypid::regtype
 
 BUMP = re.compile(r"\n(\s*)UPDATE pglane\.lane_counters c\s+SET last_seq = c\.last_seq \+ 1,(?P<set>.*?)"
                   r"\s+WHERE c\.lane_id = v_lane\.id\s+RETURNING c\.last_seq INTO r\.seq;", re.S)
-INSERT = re.compile(r"(?P<head>INSERT INTO pglane\.attempts AS a\s.*?SELECT .*?)(?P<from>\s+FROM pg_stat_get_activity"
-                    r"\(pg_backend_pid\(\)\) s)\s+RETURNING a\.id, a\.token INTO r\.attempt_id, r\.token;", re.S)
+INSERT = re.compile(r"(?P<head>INSERT INTO pglane\.attempts AS a\s.*?)VALUES \((?P<values>.*?)\)"
+                    r"\s+RETURNING a\.id, a\.token INTO r\.attempt_id, r\.token;", re.S)
 
 
 def seq_last(definition: str) -> str | None:
@@ -102,12 +102,12 @@ def seq_last(definition: str) -> str | None:
         return None
     body = definition[:bump.start()] + definition[bump.end():]
     insert = INSERT.search(body)
-    if insert is None or "r.seq" not in insert.group("head"):
+    if insert is None or "r.seq" not in insert.group("values"):
         return None
     cte = (f"WITH bump AS (UPDATE pglane.lane_counters c SET last_seq = c.last_seq + 1,{bump.group('set')}"
            " WHERE c.lane_id = v_lane.id RETURNING c.last_seq)\n    ")
-    new = (cte + insert.group("head").replace("r.seq", "bump.last_seq") + insert.group("from")
-           + ", bump RETURNING a.id, a.token, a.seq INTO r.attempt_id, r.token, r.seq;")
+    new = (cte + insert.group("head") + "SELECT " + insert.group("values").replace("r.seq", "bump.last_seq")
+           + " FROM bump RETURNING a.id, a.token, a.seq INTO r.attempt_id, r.token, r.seq;")
     return (body[:insert.start()] + new + body[insert.end():]).replace(", seq = r.seq", "", 1)
 
 
@@ -123,7 +123,8 @@ def lock_first(definition: str) -> str | None:
 
 
 TOKEN_MADE = "r.lease_expires_at, r.seq, gen_random_uuid()"
-TOKEN_GUARD = "\n       AND (a.token = p_token OR pglane.may_write(p_token, a.token, a.backend_pid, a.backend_start));"
+TOKEN_GUARD = ("\n       AND (a.token = p_token OR pglane.may_write(p_token, a.token, a.backend_pid, a.backend_start,"
+               " a.session_mark));")
 
 
 def no_token_claim(definition: str) -> str | None:
