@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     times = measure(args.dsn, args.runs, args.warmup)
     medians = {}
     for name, values in times.items():
-        q1, med, q3 = statistics.quantiles(values, n=4)
+        q1, _, q3 = statistics.quantiles(values, n=4)
         medians[name] = statistics.median(values)
         print(f"{name:>14}: median {medians[name]:.3f}s  (quartiles {q1:.3f}-{q3:.3f}s, {len(values)} runs)")
     print(f"{'ratio':>14}: {medians['pglane status'] / medians['bare connect']:.2f}x "

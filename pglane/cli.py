@@ -13,7 +13,7 @@ from typing import Any
 
 import psycopg
 
-from . import cli_lanes, client, durations, queries, replication, schema, timing
+from . import cli_lanes, client, durations, privileges, queries, replication, schema, timing
 from .cli_format import json_stream, pipe_closed, table, to_json
 from .errors import ConfigurationError, PermissionDenied, PglaneError, WaitTimeout, first_line, translate
 from .job import JOB_STATUSES
@@ -117,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     dsn_help = "libpq DSN or URI of the database (default: $PGLANE_DSN)"
     p.add_argument("--dsn", help=dsn_help)
     p.add_argument("--version", action=_Version, help="print pglane's version and exit")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", help="the command to run")
 
     def command(name: str, text: str, into: Any = sub, json_flag: bool = True) -> argparse.ArgumentParser:
         c: argparse.ArgumentParser = into.add_parser(name, help=text, description=text, formatter_class=_Help,
@@ -129,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
     command("migrate", "create or upgrade pglane's schema (needs CREATE on the database and CREATEROLE)")
 
     lane = command("lane", "manage lanes: create, set, list, show, delete", json_flag=False).add_subparsers(
-        dest="lane_command", required=True, metavar="LANE_COMMAND")
+        dest="lane_command", required=True, metavar="LANE_COMMAND", help="what to do with lanes")
     create = command("create", "create a lane; prints its settings", lane)
     create.add_argument("name", type=_lane_name, help=f"the lane's name: {LANE_NAME_RULE}")
     create.add_argument("--slots", type=int, default=1, help="consumer slots, cluster-wide: jobs run at once")
@@ -337,10 +337,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "web":
         return _web(dsn, args)
     with client.connect(dsn) as conn:
-        schema.require_current(conn)
         try:
+            schema.require_current(conn)
             return _command(conn, args)
-        except PermissionDenied as exc:
+        except (PermissionDenied, psycopg.errors.InsufficientPrivilege) as exc:
             raise PermissionDenied(_true_grant_hint(conn, args, exc)) from None
 
 
@@ -348,7 +348,7 @@ def _run(args: argparse.Namespace) -> int:
 _ROLE_FOR = {"enqueue": "pglane_producer", "worker": "pglane_worker"}
 
 
-def _true_grant_hint(conn: Any, args: argparse.Namespace, exc: PermissionDenied) -> str:
+def _true_grant_hint(conn: Any, args: argparse.Namespace, exc: Exception) -> str:
     """The refusal with a hint that is true for this login: which role to grant, or, when it has that role
     already, that the command needs the schema's owner (the role that ran pglane migrate)."""
     what = first_line(exc).split(":")[0]
@@ -580,8 +580,12 @@ def _check(conn: Any, args: argparse.Namespace) -> int:
         broken += finding.risk
         replicas.append({"risk": bool(finding.risk), "text": finding.text})
         lines.append(f"replication: {'RISK: ' if finding.risk else ''}{finding.text}")
+    rights = []
+    for found in privileges.findings(conn):  # what this role lacks, if anything (never a failure of check)
+        rights.append({"missing": found.missing, "text": found.text})
+        lines.append(f"privileges: {'MISSING: ' if found.missing else ''}{found.text}")
     if args.json:
-        print(to_json({"ok": not broken, "lanes": report, "replication": replicas}))
+        print(to_json({"ok": not broken, "lanes": report, "replication": replicas, "privileges": rights}))
     elif lines:
         print("\n".join(lines))
     return 1 if broken else 0

@@ -1,9 +1,9 @@
 """How the command line prints: tables that fit the terminal, JSON, and a closed pipe.
 
 Tables: every column but the last keeps its width (a cell longer than CELL_MAX is cut with '...');
-the last column (next_safe_action, an error) takes the rest of the terminal's width and wraps onto
-continuation lines, never cut. JSON: always real JSON (datetimes and intervals as text), never a
-Python repr.
+the last column (next_safe_action, an error) takes the rest of the terminal's width ($COLUMNS, else the
+terminal's) and wraps onto continuation lines, never cut; written to a pipe or a file, lines are whole.
+JSON: always real JSON (datetimes as text, intervals as seconds), never a Python repr.
 """
 
 from __future__ import annotations
@@ -32,9 +32,17 @@ def cell(value: Any) -> str:
     return str(value)
 
 
+def terminal_width() -> int | None:
+    """$COLUMNS, else the width of the terminal stdout is; None when stdout is no terminal (a pipe or a
+    file gets whole lines: grep finds a next safe action on one line)."""
+    if os.environ.get("COLUMNS", "").isdigit() or sys.stdout.isatty():
+        return shutil.get_terminal_size().columns
+    return None
+
+
 def table(rows: Sequence[dict[str, Any]], columns: Sequence[str], width: int | None = None) -> str:
-    """``rows`` as a table of ``columns`` fitting ``width`` (default: the terminal's, else $COLUMNS or 80)."""
-    width = width or shutil.get_terminal_size().columns
+    """``rows`` as a table of ``columns`` fitting ``width`` (default: terminal_width(); None: no wrapping)."""
+    width = width or terminal_width()
     body = [[cell(r.get(c)) for c in columns] for r in rows]
     for line in body:
         for i in range(len(columns) - 1):
@@ -42,7 +50,7 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str], width: int | N
                 line[i] = line[i][:CELL_MAX - 3] + "..."
     widths = [max([len(c)] + [len(b[i]) for b in body]) for i, c in enumerate(columns)]
     indent = sum(widths[:-1]) + 2 * (len(columns) - 1)
-    last = max(LAST_MIN, width - indent)
+    last = max(LAST_MIN, width - indent) if width else 1 << 30
     out = []
     for line in [list(columns), *body]:
         head = "  ".join(v.ljust(w) for v, w in zip(line[:-1], widths[:-1], strict=True))
@@ -63,15 +71,22 @@ def _plain(value: Any) -> Any:
 
 
 def json_stream(rows: Iterable[dict[str, Any]]) -> None:
-    """print(to_json(list(rows))), written one row at a time: the same text, without the list."""
+    """print(to_json(list(rows))), written one row at a time: the same text, without the list. A generator
+    of rows is closed on the way out, before its connection is (a closed pipe ends the listing early)."""
     out = sys.stdout
     first = True
-    for row in rows:
-        out.write("[\n  " if first else ",\n  ")
-        out.write(to_json(row).replace("\n", "\n  "))
-        first = False
-    out.write("[]\n" if first else "\n]\n")
-    out.flush()
+    source = iter(rows)
+    try:
+        for row in source:
+            out.write("[\n  " if first else ",\n  ")
+            out.write(to_json(row).replace("\n", "\n  "))
+            first = False
+        out.write("[]\n" if first else "\n]\n")
+        out.flush()
+    finally:
+        close = getattr(source, "close", None)
+        if close is not None:
+            close()
 
 
 def pipe_closed() -> int:
