@@ -365,7 +365,7 @@ def test_lane_set_from_the_cli(dsn: str, conn: Conn, lane: str) -> None:
 
     done = cli("lane", "set", lane, "--rate", "60/min", "--max-queued", "5", "--slots", "2")
     assert done.returncode == 0, done.stderr
-    assert "rate_limit none -> 60" in done.stdout
+    assert "--rate none -> 60/min" in done.stdout and "rate_limit" not in done.stdout
     row = lane_row(conn, lane)
     assert (row["rate_limit"], row["rate_period"], row["max_queued"], row["slots"]) == (
         60, dt.timedelta(minutes=1), 5, 2)
