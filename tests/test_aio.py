@@ -198,9 +198,9 @@ def test_a_thousand_waits_share_one_listening_session_and_a_small_pool(
 
 
 def readme_block() -> str:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "sql-api.md").read_text(encoding="utf-8")
     found = re.search(r"<!-- tested: tests/test_aio.py -->\n```python\n(.*?)```", text, re.S)
-    assert found, "README.md has no web-app block marked <!-- tested: tests/test_aio.py -->"
+    assert found, "docs/sql-api.md has no web-app block marked <!-- tested: tests/test_aio.py -->"
     return found.group(1)
 
 
@@ -219,7 +219,7 @@ def test_the_readme_web_app_handler_tells_waiting_to_start_then_returns_the_resu
 
     async def scenario() -> tuple[Any, Any]:
         handler: dict[str, Any] = {}
-        exec(compile(readme_block(), "README.md", "exec"), handler)  # the README's own code
+        exec(compile(readme_block(), "docs/sql-api.md", "exec"), handler)  # the docs' own code
         pool = handler["pool"]
         await pool.open()
         try:

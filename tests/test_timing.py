@@ -1,5 +1,5 @@
 """The worker's default hard timeout: the job timeout plus a margin of up to 20 s, inside the lease
-(README, "The four timeouts"; rule R2 holds by construction)."""
+(docs/design.md, "The four timeouts"; rule R2 holds by construction)."""
 
 from __future__ import annotations
 

@@ -441,7 +441,7 @@ def test_pglane_web_without_its_extra_says_what_to_install(dsn: str) -> None:
 
 
 def test_the_readmes_screenshots_are_the_ones_the_browser_tests_take() -> None:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    shown = set(re.findall(r"\(docs/screenshots/([\w.-]+\.png)\)", readme))
+    readme = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
+    shown = set(re.findall(r"\(screenshots/([\w.-]+\.png)\)", readme))
     taken = set(re.findall(r'SCREENSHOTS / "([\w.-]+\.png)"', (ROOT / "tests" / "test_web_browser.py").read_text()))
     assert {"lanes.png", "failed-job.png"} <= shown <= taken

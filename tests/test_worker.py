@@ -450,7 +450,7 @@ def test_the_lock_connection_carries_keepalives(dsn: str, conn: Any, lane: str) 
     finally:
         session.release()
     documented = {"keepalives": "1", "keepalives_idle": "5", "keepalives_interval": "2", "keepalives_count": "3",
-                  "tcp_user_timeout": "10000"}  # as README says
+                  "tcp_user_timeout": "10000"}  # as docs/design.md says
     assert {k: got.get(k) for k in documented} == documented
 
 
