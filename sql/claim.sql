@@ -58,7 +58,7 @@ BEGIN
                (SELECT c FROM pglane.lane_counters c WHERE c.lane_id = l.id) END AS counters,
            CASE WHEN l.rate_limit IS NOT NULL AND l.weighted THEN
                (SELECT ARRAY[j.id, j.cost] FROM pglane.jobs j
-                 WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()
+                 WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now() AND j.cost <= l.rate_limit
                  ORDER BY j.created_at, j.id LIMIT 1) END AS head
       INTO v_look FROM pglane.lanes l WHERE l.name = p_lane;
     v_lane := v_look.lane;
@@ -126,9 +126,12 @@ BEGIN
     ELSE
         -- A rate-limited lane: a start of the head job's cost must fit the window ending now (exact:
         -- under the counters row lock, which every claim of the lane takes, on the database clock read
-        -- after it). The look (the statement that read the lane, above) saw the counters row without
-        -- the lock: what it sees can only be less than the committed use (starts it misses only add to
-        -- it), so a refusal made from it is right, and writes nothing, not even a row lock.
+        -- after it). A job that costs more than the whole rate could never start, however a lane came
+        -- to hold it (a rate lowered, then a retry or a re-queue): it is passed over, never the head,
+        -- so it cannot wedge the lane, and job_status says what to do with it (views.sql). The look
+        -- (the statement that read the lane, above) saw the counters row without the lock: what it
+        -- sees can only be less than the committed use (starts it misses only add to it), so a refusal
+        -- made from it is right, and writes nothing, not even a row lock.
         -- A start's record is a row of lane_starts, or (the fast path's) an entry of the counters row's
         -- pending_starts, which the next slow claim moves into lane_starts: at most 31 of them, since
         -- every 32nd start takes the slow path.
@@ -202,7 +205,7 @@ BEGIN
                 END IF;
                 IF r.job_id IS NULL THEN  -- unweighted, or the head the look saw was taken meanwhile
                     SELECT j.id, j.cost INTO r.job_id, v_cost FROM pglane.jobs j
-                     WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()
+                     WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now() AND j.cost <= v_lane.rate_limit
                      ORDER BY j.created_at, j.id LIMIT 1 FOR UPDATE SKIP LOCKED;
                 END IF;
             END IF;

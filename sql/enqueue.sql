@@ -14,8 +14,10 @@ DECLARE
     v_period    interval;
     v_weighted  boolean;
 BEGIN
+    -- FOR KEY SHARE, as the foreign key's check takes anyway: a set_lane lowering the rate holds the
+    -- row FOR UPDATE until it commits, and this read then sees the new rate (lanes.sql, set_lane).
     SELECT l.max_payload_bytes, l.rate_limit, l.rate_period, l.weighted INTO v_max_bytes, v_rate, v_period, v_weighted
-      FROM pglane.lanes l WHERE l.name = NEW.lane;
+      FROM pglane.lanes l WHERE l.name = NEW.lane FOR KEY SHARE;
     IF NOT FOUND THEN
         RAISE EXCEPTION USING ERRCODE = 'PGL01',
             MESSAGE = format('unknown lane %L', NEW.lane),

@@ -31,6 +31,34 @@ AS $$
         OR pg_has_role(p_role, (SELECT c.relowner FROM pg_class c WHERE c.oid = 'pglane.jobs'::regclass), 'USAGE');
 $$;
 
+-- notify: a wake-up that never costs the writer its transaction. PostgreSQL queues a notification
+-- at commit and fails the whole commit when its NOTIFY queue is full, which any login can bring
+-- about (LISTEN, stay idle in a transaction, flood): an enqueue or a completion must not fail for
+-- a hint. Past half the queue the notification is skipped, counted (notifications_skipped()) and
+-- logged; the workers' poll finds the job, a waiter's backup poll the outcome.
+CREATE OR REPLACE FUNCTION pglane.notify(p_channel text, p_payload text) RETURNS void
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
+BEGIN
+    IF pg_notification_queue_usage() < 0.5 THEN
+        PERFORM pg_notify(p_channel, p_payload);
+    ELSE
+        PERFORM nextval('pglane.notifications_skipped');
+        RAISE LOG 'pglane: the NOTIFY queue is % %% full: the wake-up on % was skipped; pollers find the work '
+                  '(a session that LISTENs and stays in a transaction holds the queue: see pg_stat_activity)',
+                  round(pg_notification_queue_usage() * 100), p_channel;
+    END IF;
+END $$;
+
+-- notifications_skipped: how many wake-ups notify() skipped since the schema was made.
+CREATE OR REPLACE FUNCTION pglane.notifications_skipped() RETURNS bigint
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
+    SELECT CASE WHEN s.is_called THEN s.last_value ELSE 0 END FROM pglane.notifications_skipped s;
+$$;
+
 -- lanes_after_insert: every lane gets its counters and admissions rows in the same transaction, so
 -- claim() and the bound check can rely on them existing.
 CREATE OR REPLACE FUNCTION pglane.lanes_after_insert() RETURNS trigger
@@ -163,7 +191,7 @@ END $$;
 -- into one, so a transaction wakes each lane at most once.
 CREATE OR REPLACE FUNCTION pglane.notify_lane(p_lane_id integer) RETURNS void
 LANGUAGE sql AS $$
-    SELECT pg_notify('pglane_' || p_lane_id, '');
+    SELECT pglane.notify('pglane_' || p_lane_id, '');
 $$;
 
 -- Rate limits. A lane with rate_limit N and rate_period P starts at most N units of cost (jobs.cost,
@@ -292,7 +320,10 @@ DECLARE
     v_note   text := '';
     v_over   text;
 BEGIN
-    SELECT * INTO v_old FROM pglane.lanes l WHERE l.name = p_lane FOR UPDATE;
+    -- FOR NO KEY UPDATE: a producer's insert holds FOR KEY SHARE on its lane's row (the foreign key's
+    -- check, and jobs_before_insert) until it commits; a change of settings need not wait for it. A
+    -- lowered rate must (below).
+    SELECT * INTO v_old FROM pglane.lanes l WHERE l.name = p_lane FOR NO KEY UPDATE;
     IF NOT FOUND THEN
         RAISE EXCEPTION USING ERRCODE = 'PGL01', MESSAGE = format('unknown lane %L', p_lane),
             HINT = 'list the lanes with: pglane status';
@@ -338,6 +369,13 @@ BEGIN
         SELECT * INTO v_rate FROM pglane.parse_rate(coalesce(p_settings ->> 'rate', 'none'));
         v_new.rate_limit := v_rate.rate_limit;
         v_new.rate_period := v_rate.rate_period;
+        -- Atomic with enqueues: FOR UPDATE waits for the producers whose inserts into this lane are
+        -- not committed yet (their FOR KEY SHARE), and holds off later ones until this commits, when
+        -- jobs_before_insert reads the new rate (its FOR KEY SHARE waits, then sees this row's new
+        -- version). So the look at the queued costs below misses no job that the new rate refuses.
+        IF v_new.rate_limit < coalesce(v_old.rate_limit, 2147483647) THEN
+            PERFORM 1 FROM pglane.lanes l WHERE l.id = v_old.id FOR UPDATE;
+        END IF;
         SELECT max(j.cost) INTO v_cost FROM pglane.jobs j WHERE j.lane = p_lane AND j.in_queue;
         IF v_new.rate_limit < v_cost THEN
             RAISE EXCEPTION USING ERRCODE = 'PGL13',
@@ -363,7 +401,7 @@ BEGIN
            max_result_bytes = v_new.max_result_bytes, key_retention = v_new.key_retention
      WHERE l.id = v_old.id;
     -- Wake the lane's workers: one sleeping until a rate allows a start may start sooner now.
-    PERFORM pg_notify('pglane_' || v_old.id, 'settings');
+    PERFORM pglane.notify('pglane_' || v_old.id, 'settings');
     RETURN format('lane %s changed: %s%s', p_lane, coalesce(
                   (SELECT string_agg(format('%s %s -> %s', k.key, k.old, k.new), ', ' ORDER BY k.key)
                      FROM jsonb_each_text(to_jsonb(v_old)) o(key, old)

@@ -134,16 +134,26 @@ BEGIN
 END $$;
 
 -- retry: a person's decision to spend again: a failed or cancelled job goes back to the queue for one
--- more attempt. Refused (PGL08) for any other status, with the reason, and (PGL04) while its
--- bounded lane is full: the job stays as it was.
+-- more attempt. Refused (PGL08) for any other status, with the reason, (PGL04) while its bounded
+-- lane is full, and (PGL13) when it costs more than its lane's whole rate: the job stays as it was.
 CREATE OR REPLACE FUNCTION pglane.retry(p_job_id bigint) RETURNS boolean
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
 AS $$
 DECLARE
-    v_job pglane.jobs := pglane.decided_job(p_job_id, '{failed,cancelled}',
-                                            'only failed or cancelled jobs can be retried');
+    v_job  pglane.jobs := pglane.decided_job(p_job_id, '{failed,cancelled}',
+                                             'only failed or cancelled jobs can be retried');
+    v_lane pglane.lanes;
 BEGIN
+    SELECT * INTO v_lane FROM pglane.lanes l WHERE l.name = v_job.lane;
+    IF v_job.cost > v_lane.rate_limit THEN  -- it could never start (the rate was lowered since)
+        RAISE EXCEPTION USING ERRCODE = 'PGL13',
+            MESSAGE = format('job %s costs %s, more than lane %s''s whole rate (%s): retried, it could never start; '
+                             'it stays %s', p_job_id, v_job.cost, v_job.lane,
+                             pglane.rate_text(v_lane.rate_limit, v_lane.rate_period), v_job.status),
+            HINT = format('raise the rate first (pglane lane set %s --rate N/PERIOD), or enqueue the work again '
+                          'with a lower cost and a new key', v_job.lane);
+    END IF;
     IF NOT pglane.queue_admit(v_job.lane) THEN
         RAISE EXCEPTION USING ERRCODE = 'PGL04',
             MESSAGE = format('lane %L is full: job %s stays %s (max_queued is %s)', v_job.lane, p_job_id,

@@ -396,7 +396,8 @@ CREATE OR REPLACE VIEW pglane.job_status WITH (security_barrier) AS
 SELECT j.id AS job_id, j.lane, j.status, j.created_at, j.run_after, j.started_at, j.finished_at,
        (j.status = 'queued' AND greatest(j.created_at, j.run_after) < now() - l.waiting_grace
         AND NOT (l.rate_limit IS NOT NULL AND j.run_after <= now()
-                 AND ((SELECT pglane.lanes_next_start()) ->> j.lane) IS NOT NULL))
+                 AND ((SELECT pglane.lanes_next_start()) ->> j.lane) IS NOT NULL)
+        AND NOT coalesce(j.cost > l.rate_limit, false))  -- it waits for a person, not a worker
            AS waiting_for_worker,
        CASE WHEN j.status = 'queued' THEN
            (SELECT count(*) FROM pglane.jobs q
@@ -410,6 +411,11 @@ SELECT j.id AS job_id, j.lane, j.status, j.created_at, j.run_after, j.started_at
        a.id AS attempt_id, a.status AS attempt_status,
        CASE j.status
            WHEN 'queued' THEN CASE
+               WHEN j.cost > l.rate_limit THEN  -- passed over by every claim (claim.sql): it could never start
+                   format('change it: job %s costs %s, more than lane %s''s whole rate (%s), so it never starts '
+                          'and the jobs behind it run; cancel it (pglane cancel %s), or raise the rate '
+                          '(pglane lane set %s --rate N/PERIOD) to run it', j.id, j.cost, j.lane,
+                          pglane.rate_text(l.rate_limit, l.rate_period), j.id, j.lane)
                WHEN j.run_after > now() THEN format('nothing to do: scheduled to run after %s', j.run_after)
                WHEN l.takeover = 'after_lease'
                     AND ((SELECT pglane.lanes_in_flight()) -> j.lane ->> 'in_flight')::bigint >= l.slots

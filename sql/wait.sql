@@ -24,7 +24,7 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     IF NEW.status IN ('done', 'failed', 'cancelled') AND OLD.status IS DISTINCT FROM NEW.status THEN
-        PERFORM pg_notify('pglane_done', NEW.id::text);
+        PERFORM pglane.notify('pglane_done', NEW.id::text);
     END IF;
     RETURN NULL;
 END $$;

@@ -38,6 +38,7 @@ def _apply_migrations(host: str, port: int, user: str, dbname: str, password: st
 
 
 postgresql_proc: Callable[..., Any]  # a running server, or one named by PGLANE_TEST_DSN
+PG_CTL: str | None = None  # what starts a server of the suite's own (None with PGLANE_TEST_DSN)
 if os.environ.get("PGLANE_TEST_DSN"):
     _c = conninfo_to_dict(os.environ["PGLANE_TEST_DSN"])
     postgresql_proc = factories.postgresql_noproc(
@@ -50,6 +51,7 @@ else:
         pgbin.root_prefix()  # fails early, with what to do, if no user namespace can be made
         os.environ["PGLANE_PYTHON"], os.environ["PGLANE_REAL_PG_CTL"] = sys.executable, _pg_ctl
         _pg_ctl = str(Path(__file__).with_name("pg_ctl_as_root.sh"))
+    PG_CTL = _pg_ctl
     postgresql_proc = factories.postgresql_proc(
         executable=_pg_ctl, port=None, dbname="pglane_tests", load=[_apply_migrations],
         postgres_options="-c max_connections=200 -c fsync=on")

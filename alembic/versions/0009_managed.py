@@ -14,6 +14,12 @@ Create Date: 2026-12-06
 - lanes.key_retention and pruned_keys: a pruned job's idempotency key is remembered for its lane's
   retention (30 days by default): the same key then gets JobPruned (PGL14), never a second paid call.
   prune() and prune_batch() gain p_forget_keys.
+- Hardening (#30): a job that costs more than its lane's rate is passed over by the claim (it wedged
+  the lane); set_lane locks a lane FOR NO KEY UPDATE (no wait behind a producer's open transaction)
+  but FOR UPDATE when it lowers the rate, atomic with enqueues (jobs_before_insert reads the lane FOR
+  KEY SHARE); retry() refuses such a job; every NOTIFY goes through pglane.notify(), which skips and
+  counts (notifications_skipped) a wake-up past half the NOTIFY queue instead of failing the commit;
+  a producer's plain INSERT may set cost, as the docs say.
 
 Downgrade restores 0008's text from alembic/frozen/0008/.
 """
@@ -26,7 +32,8 @@ down_revision = "0008"
 branch_labels = None
 depends_on = None
 
-APPLIES = ("lanes.sql", "sessions.sql", "enqueue.sql", "claim.sql", "recover.sql", "history.sql", "views.sql")
+APPLIES = ("lanes.sql", "sessions.sql", "enqueue.sql", "claim.sql", "recover.sql", "history.sql", "views.sql",
+           "wait.sql")
 NEW_FILES = ("sessions.sql",)  # sql/ files 0008 did not have: a downgrade does not apply them
 
 ROLES = "pglane_producer, pglane_worker, pglane_operator"
@@ -56,6 +63,9 @@ BEFORE = """
     COMMENT ON TABLE pglane.pruned_keys IS
         'the idempotency keys of pruned jobs, each remembered until forget_after: a repeated request is refused'
         ' with the pruned job''s id (PGL14) rather than paid for again';
+    CREATE SEQUENCE pglane.notifications_skipped;
+    COMMENT ON SEQUENCE pglane.notifications_skipped IS
+        'wake-ups pglane.notify() skipped because the NOTIFY queue was over half full';
     -- New signatures: dropped here, re-created by sql/, granted again below.
     DROP FUNCTION pglane.prune(interval, text, boolean);
     DROP FUNCTION pglane.prune_batch(interval, text, boolean, bigint, integer);
@@ -70,6 +80,8 @@ AFTER = f"""
         TO pglane_operator;
     GRANT SELECT (session_mark) ON pglane.attempts TO pglane_worker;
     GRANT SELECT ON pglane.pruned_keys TO pglane_operator;
+    GRANT EXECUTE ON FUNCTION pglane.notifications_skipped() TO {ROLES};
+    GRANT INSERT (cost) ON pglane.jobs TO pglane_producer;
 """
 
 UNDO_BEFORE = """
@@ -89,6 +101,9 @@ UNDO_AFTER = f"""
     ALTER TABLE pglane.lanes DROP COLUMN key_retention;
     ALTER TABLE pglane.attempts DROP COLUMN session_mark;
     COMMENT ON COLUMN pglane.attempts.backend_start IS NULL;
+    REVOKE INSERT (cost) ON pglane.jobs FROM pglane_producer;
+    DROP FUNCTION pglane.notify(text, text), pglane.notifications_skipped();
+    DROP SEQUENCE pglane.notifications_skipped;
 """
 
 
