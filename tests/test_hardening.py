@@ -64,7 +64,7 @@ def test_lowering_the_rate_waits_for_a_producers_insert_and_then_refuses(dsn: st
         with pglane.connect(dsn) as operator:
             try:
                 outcome.append(pglane.set_lane(operator, lane, rate="2/s"))
-            except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            except BaseException as exc:
                 outcome.append(exc)
 
     thread = threading.Thread(target=lower)
@@ -88,7 +88,7 @@ def test_an_enqueue_racing_a_lowered_rate_reads_the_new_rate(dsn: str, conn: Any
         with pglane.connect(dsn) as producer:
             try:
                 outcome.append(pglane.enqueue(producer, lane, {}, cost=5))
-            except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            except BaseException as exc:
                 outcome.append(exc)
 
     thread = threading.Thread(target=produce)
