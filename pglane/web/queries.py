@@ -4,19 +4,66 @@ one job's status, its attempts) comes from ``pglane.queries``; nothing is built 
 
 from typing import LiteralString
 
-LANE_NAMES: LiteralString = "SELECT name FROM pglane.lanes ORDER BY name"
-
-# The jobs list: filtered by lane, status and idempotency key (each optional); queued jobs first in
-# the order they will be served (as pglane.queries.JOBS and queue_position count), the rest newest first.
-JOBS: LiteralString = (
-    "SELECT * FROM pglane.job_status"
-    " WHERE (%(lane)s::text IS NULL OR lane = %(lane)s) AND (%(status)s::text IS NULL OR status = %(status)s)"
-    " AND (%(key)s::text IS NULL OR idempotency_key = %(key)s)"
-    " ORDER BY status <> 'queued', (status = 'queued' AND run_after > now()),"
-    " CASE WHEN status = 'queued' AND run_after > now() THEN run_after END,"
-    " CASE WHEN status = 'queued' THEN created_at END, CASE WHEN status = 'queued' THEN job_id END,"
-    " job_id DESC LIMIT %(limit)s"
+# The lanes page, one page at a time: keyset by name (after the last one shown), optionally only the
+# names starting with a prefix. lane_status itself computes every lane (its base is materialized);
+# the page fetches, renders and refreshes only these.
+LANE_PAGE: LiteralString = (
+    "SELECT * FROM pglane.lane_status WHERE lane > %(after)s AND starts_with(lane, %(prefix)s)"
+    " ORDER BY lane LIMIT %(limit)s"
 )
+
+# The jobs list, one page at a time, in three sections: the queued jobs that may run now, lane by lane
+# in each lane's service order (created_at, id: the queue index's own order, so a page reads only its
+# rows); then the scheduled ones (run_after in the future) by run_after, created_at and id; then
+# every other job, newest first (by id). Each section continues after a cursor, the page's last job.
+# Within a lane, the jobs a page shows of its queue are consecutive in its service order (its eligible
+# jobs come all before its scheduled ones), so one position per lane and page is counted
+# (JOB_POSITIONS) and the others follow from it. Filters: lane and status (each optional); an
+# idempotency key has its own statement (JOBS_KEYED).
+JOBS_ELIGIBLE: LiteralString = (
+    "SELECT j.id, j.lane FROM pglane.jobs j"
+    " WHERE j.in_queue AND j.run_after <= now() AND (%(lane)s::text IS NULL OR j.lane = %(lane)s)"
+    " AND (j.lane, j.created_at, j.id) > (%(c_lane)s::text, %(c_created)s::timestamptz, %(c_id)s::bigint)"
+    " ORDER BY j.lane, j.created_at, j.id LIMIT %(limit)s"
+)
+JOBS_SCHEDULED: LiteralString = (
+    "SELECT j.id, j.lane FROM pglane.jobs j"
+    " WHERE j.in_queue AND j.run_after > now() AND (%(lane)s::text IS NULL OR j.lane = %(lane)s)"
+    " AND (j.run_after, j.created_at, j.id) > (%(c_run_after)s::timestamptz, %(c_created)s::timestamptz,"
+    " %(c_id)s::bigint)"
+    " ORDER BY j.run_after, j.created_at, j.id LIMIT %(limit)s"
+)
+# The rest, newest first. Failed and cancelled jobs are read through their partial index
+# (failed_or_cancelled), running ones through the running attempts, not by a walk down the history.
+JOBS_SETTLED: LiteralString = (
+    "SELECT j.id, j.lane FROM pglane.jobs j"
+    " WHERE NOT j.in_queue AND j.id < %(before)s AND (%(lane)s::text IS NULL OR j.lane = %(lane)s)"
+    " AND (%(status)s::text IS NULL OR j.status::text = %(status)s)"
+    " AND (%(settled)s IS NOT TRUE OR j.failed_or_cancelled)"
+    " AND (%(running)s IS NOT TRUE OR j.id IN (SELECT a.job_id FROM pglane.attempts a WHERE a.status = 'running'))"
+    " ORDER BY j.id DESC LIMIT %(limit)s"
+)
+# A key's jobs (at most one per lane: lanes and keys are unique together), newest first, each read
+# through the (lane, idempotency_key) index rather than by a walk down the history.
+JOBS_KEYED: LiteralString = (
+    "SELECT j.id, j.lane, j.in_queue FROM pglane.lanes l"
+    " CROSS JOIN LATERAL (SELECT k.id, k.lane, k.status, k.in_queue FROM pglane.jobs k"
+    "                      WHERE k.lane = l.name AND k.idempotency_key = %(key)s) j"
+    " WHERE (%(lane)s::text IS NULL OR l.name = %(lane)s) AND (%(status)s::text IS NULL OR j.status::text = %(status)s)"
+    " AND j.id < %(before)s ORDER BY j.id DESC LIMIT %(limit)s"
+)
+# Where a cursor job stands: its section and sort key.
+JOB_CURSOR: LiteralString = (
+    "SELECT j.lane, j.created_at, j.run_after, j.in_queue, j.run_after > now() AS scheduled"
+    " FROM pglane.jobs j WHERE j.id = %s"
+)
+# The shown jobs' rows: job_status's columns but queue_position (a count per row, O(position) each).
+JOB_ROWS: LiteralString = (
+    "SELECT job_id, lane, status, created_at, run_after, waiting_for_worker, attempts, idempotency_key,"
+    " next_safe_action FROM pglane.job_status WHERE job_id = ANY(%s)"
+)
+# job_status's own count, for one job per lane and page.
+JOB_POSITIONS: LiteralString = "SELECT job_id, queue_position FROM pglane.job_status WHERE job_id = ANY(%s)"
 
 # The payload is not in job_status (producers read that view too); operators may read pglane.jobs.
 JOB_PAYLOAD: LiteralString = "SELECT payload FROM pglane.jobs WHERE id = %s"
@@ -29,14 +76,14 @@ JOB_PAYLOAD: LiteralString = "SELECT payload FROM pglane.jobs WHERE id = %s"
 # each minute (now, for the current one) as a running sum of the waits begun and ended, so its cost
 # follows the hour's jobs, not sixty times them; `wait_avg`/`wait_max` are the seconds from entering the queue
 # to the start of the attempts that started in that minute. Only jobs queued or running now or finished
-# within the hour can have a point in the hour; reading them scans pglane.jobs once.
+# within the hour can have a point in the hour. Only the lanes shown (%(lanes)s) are read.
 LAST_HOUR: LiteralString = """
 WITH span AS (
     SELECT date_trunc('minute', now()) - interval '59 minutes' AS since
 ), recent AS (
     SELECT j.id, j.lane, j.status, j.created_at, j.finished_at, j.attempts
       FROM pglane.jobs j, span
-     WHERE j.in_queue OR j.status = 'running' OR j.finished_at >= span.since
+     WHERE (j.in_queue OR j.status = 'running' OR j.finished_at >= span.since) AND j.lane = ANY(%(lanes)s::text[])
 ), att AS MATERIALIZED (
     SELECT r.lane, a.job_id, a.attempt_number, a.status, a.started_at, a.finished_at
       FROM recent r JOIN pglane.attempts a ON a.job_id = r.id
@@ -54,7 +101,9 @@ WITH span AS (
       LEFT JOIN att p ON p.job_id = r.id AND p.attempt_number = k - 1
 ), minutes AS (
     SELECT l.name AS lane, m AS minute
-      FROM pglane.lanes l, span, generate_series(span.since, date_trunc('minute', now()), interval '1 minute') AS m
+      FROM pglane.lanes l CROSS JOIN span
+     CROSS JOIN generate_series(span.since, date_trunc('minute', now()), interval '1 minute') AS m
+     WHERE l.name = ANY(%(lanes)s::text[])
 ), moves AS (  -- +1 where a wait began (at the first minute for one begun before the hour), -1 where it ended
     SELECT w.lane, greatest(date_trunc('minute', w.entered), s.since) AS minute, 1 AS delta
       FROM waits w, span s WHERE w.entered <= now() AND w.left_at > s.since
