@@ -15,11 +15,22 @@ import psycopg
 
 from . import cli_lanes, client, durations, privileges, queries, replication, schema, timing
 from .cli_format import json_stream, pipe_closed, table, to_json
-from .errors import ConfigurationError, PermissionDenied, PglaneError, WaitTimeout, first_line, translate
+from .errors import (
+    ConfigurationError,
+    JobPruned,
+    PermissionDenied,
+    PglaneError,
+    WaitTimeout,
+    first_line,
+    translate,
+)
 from .job import JOB_STATUSES
 
 EXIT_FULL = 3  # enqueue --if-full skip met a full lane: nothing was written
 EXIT_WAIT_TIMEOUT = 4  # enqueue --wait --timeout S: the job had not finished (it goes on)
+EXIT_PRUNED = 6  # enqueue: the key belonged to a job that was pruned (JobPruned): nothing was written
+KEY_RETENTION_HELP = ("how long a pruned job's idempotency key is remembered: the same key then gets the pruned "
+                      "job's id (exit 6), never a second paid call")
 LANE_NAME_RULE = "a lowercase letter, then up to 47 lowercase letters, digits, '_' or '-'"
 
 EPILOG = """durations: a number and a unit, or several: 250ms, 90s, 10m, 1h30m, 7d (a bare number is seconds,
@@ -27,7 +38,8 @@ except for prune --older-than, which needs a unit).
 
 exit status: 0 done; 1 an error (one line on stderr: what was wrong and what to do); 2 a usage or
 settings error; 3 enqueue --if-full skip met a full lane; 4 enqueue --wait --timeout ran out (the job
-goes on); 130 interrupted; 141 stdout was closed early (e.g. piped into head): the output was cut,
+goes on); 6 enqueue: the key belonged to a job that was done and pruned since (nothing written: use a
+new key to pay again); 130 interrupted; 141 stdout was closed early (e.g. piped into head): the output was cut,
 nothing else failed, no traceback.
 
 database: every command but demo and server takes --dsn (before or after the command) or $PGLANE_DSN."""
@@ -152,6 +164,7 @@ def _parser() -> argparse.ArgumentParser:
     create.add_argument("--retry-backoff", type=_duration0, default="2s",
                         help="pause before a failed job's next attempt (with --max-attempts above 1)")
     create.add_argument("--rate", help=RATE_HELP + " (default: unlimited)")
+    create.add_argument("--key-retention", type=_duration0, default="30d", help=KEY_RETENTION_HELP)
     change = command("set", "change a lane while its workers run (each setting from its next use)", lane)
     change.add_argument("name", help="the lane to change")
     change.add_argument("--slots", type=int, help="consumer slots, cluster-wide")
@@ -166,6 +179,7 @@ def _parser() -> argparse.ArgumentParser:
     change.add_argument("--max-result-bytes", type=int, help="a larger result fails its attempt")
     change.add_argument("--waiting-grace", type=_duration0, help="queued this long with no worker: shown waiting")
     change.add_argument("--retry-backoff", type=_duration0, help="pause before a failed job's next attempt")
+    change.add_argument("--key-retention", type=_duration0, help=KEY_RETENTION_HELP)
     command("list", "every lane and its settings", lane)
     shown = command("show", "one lane: its settings, what it holds now and the next safe action", lane)
     shown.add_argument("name", help="the lane to show")
@@ -245,6 +259,9 @@ def _parser() -> argparse.ArgumentParser:
                     "the workers beside it keep the rest of the server's CPU (1 never pauses)")
     pr.add_argument("--include-failed", action="store_true",
                     help="also delete failed jobs, whose attempts explain what may have been paid")
+    pr.add_argument("--forget-keys", action="store_true",
+                    help="also forget the pruned jobs' idempotency keys, which are otherwise remembered for "
+                    "their lane's --key-retention: the same key then makes a new job, and pays again")
 
     ck = command("check", "check that the four timeouts agree for every lane, and the replication risk")
     ck.add_argument("--stop-grace", type=_seconds,
@@ -450,7 +467,13 @@ def _command(conn: Any, args: argparse.Namespace) -> int:
 def _enqueue(conn: Any, args: argparse.Namespace) -> int:
     if args.timeout is not None and not args.wait:
         raise ConfigurationError("--timeout is how long --wait waits: add --wait, or drop --timeout")
-    job = client.enqueue(conn, args.lane, args.payload, key=args.key, if_full=args.if_full, cost=args.cost)
+    try:
+        job = client.enqueue(conn, args.lane, args.payload, key=args.key, if_full=args.if_full, cost=args.cost)
+    except JobPruned as exc:  # the request was served once: never paid for again by a repeated key
+        if args.json:
+            print(to_json({"job_id": exc.job_id, "pruned": True}))
+        print(f"pglane: {exc}", file=sys.stderr)
+        return EXIT_PRUNED
     if job is None:
         if args.json:
             print(to_json({"job_id": None, "skipped": "lane full"}))
@@ -515,7 +538,7 @@ def _prune(conn: Any, args: argparse.Namespace) -> int:
             print(f"pruned {done} of {total} jobs ({share:.0%}), {rate:,.0f}/s, ETA {eta:.0f}s", file=sys.stderr)
 
     deleted = client.prune(conn, args.older_than, lane=args.lane, include_failed=args.include_failed,
-                           batch=args.batch, progress=progress)
+                           batch=args.batch, progress=progress, forget_keys=args.forget_keys)
     if sys.stderr.isatty() and deleted:
         print(file=sys.stderr)
     elapsed = time.monotonic() - started
@@ -524,7 +547,10 @@ def _prune(conn: Any, args: argparse.Namespace) -> int:
     age = durations.format_seconds(args.older_than)
     print(to_json({"pruned": deleted, "older_than_seconds": args.older_than, "seconds": round(elapsed, 3),
                    "deleting_seconds": round(busy, 3)}) if args.json else
-          f"pruned {deleted} finished job(s) older than {age}, with their attempts")
+          f"pruned {deleted} finished job(s) older than {age}, with their attempts; "
+          + ("their idempotency keys are forgotten: the same key makes a new job" if args.forget_keys else
+             "their idempotency keys are remembered for each lane's --key-retention (a repeated key is refused"
+             " with the pruned job's id)"))
     return 0
 
 

@@ -25,6 +25,7 @@ SETTINGS = (
     ("max-queued", "max_queued", "count"), ("rate", "rate", "text"), ("takeover", "takeover", "text"),
     ("max-result-bytes", "max_result_bytes", "count"), ("max-payload-bytes", "max_payload_bytes", "count"),
     ("waiting-grace", "waiting_grace", "duration"), ("retry-backoff", "retry_backoff", "duration"),
+    ("key-retention", "key_retention", "duration"),
 )
 _PERIODS = {1.0: "s", 60.0: "min", 3600.0: "h", 86400.0: "d"}
 
@@ -65,7 +66,7 @@ def create(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
                        lease_timeout=args.lease_timeout, max_attempts=args.max_attempts,
                        max_queued=args.max_queued, max_result_bytes=args.max_result_bytes,
                        waiting_grace=args.waiting_grace, retry_backoff=args.retry_backoff,
-                       takeover=args.takeover.replace("-", "_"), rate=args.rate)
+                       takeover=args.takeover.replace("-", "_"), rate=args.rate, key_retention=args.key_retention)
     lane = one(conn, args.name)
     print(to_json(lane) if args.json else f"lane {args.name} created:\n{settings_text(lane)}")
     return 0
@@ -75,7 +76,8 @@ def changes(args: argparse.Namespace) -> dict[str, Any]:
     """The settings `lane set` was given, as set_lane names them (a given 'none' removes max_queued or
     the rate)."""
     found = {name: getattr(args, name) for name in ("slots", "job_timeout", "lease_timeout", "max_attempts",
-                                                    "max_result_bytes", "waiting_grace", "retry_backoff")
+                                                    "max_result_bytes", "waiting_grace", "retry_backoff",
+                                                    "key_retention")
              if getattr(args, name) is not None}
     if args.takeover is not None:
         found["takeover"] = args.takeover.replace("-", "_")

@@ -137,18 +137,21 @@ def create_lane(
     max_result_bytes: int = 16 * 1024 * 1024,
     takeover: str = "immediate",
     rate: str | None = None,
+    key_retention: float = statements.DEFAULT_KEY_RETENTION,
 ) -> int:
-    """Create a lane and return its id. With no lease_timeout, it is 10 % longer than job_timeout."""
+    """Create a lane and return its id. With no lease_timeout, it is 10 % longer than job_timeout.
+    ``key_retention``: seconds a pruned job's idempotency key is remembered (30 days)."""
     return run(conn, statements.create_lane(
         name, slots=slots, job_timeout=job_timeout, lease_timeout=lease_timeout, max_attempts=max_attempts,
         max_queued=max_queued, waiting_grace=waiting_grace, max_payload_bytes=max_payload_bytes,
-        retry_backoff=retry_backoff, max_result_bytes=max_result_bytes, takeover=takeover, rate=rate))
+        retry_backoff=retry_backoff, max_result_bytes=max_result_bytes, takeover=takeover, rate=rate,
+        key_retention=key_retention))
 
 
 def set_lane(conn: Target, name: str, **settings: Any) -> str:
     """Change a lane while its workers run (pglane lane set): slots, job_timeout, lease_timeout (seconds),
     max_attempts, max_queued (None: unbounded), rate ('10/s'; None: unlimited), takeover, waiting_grace,
-    retry_backoff, max_payload_bytes, max_result_bytes. Validated as create_lane is; nothing changes
+    retry_backoff, max_payload_bytes, max_result_bytes, key_retention. Validated as create_lane is; nothing changes
     when any is refused. Returns what changed, and what it means for running workers."""
     return run(conn, statements.set_lane(name, settings))
 
@@ -240,7 +243,8 @@ def prune(conn: Target, older_than: float, *, lane: str | None = None,
     connection must be in autocommit), ``progress`` called with the total so far after each: it may
     be interrupted at any step and run again. A pruned job's idempotency key is remembered for its
     lane's key retention (30 days by default): the same key then raises JobPruned, never runs again;
-    ``forget_keys`` forgets the keys of the jobs pruned now (the same key then makes a new job)."""
+    ``forget_keys`` forgets the keys of the jobs finished before the cut, pruned now or earlier (the same
+    key then makes a new job)."""
     return run(conn, statements.prune(older_than, lane=lane, include_failed=include_failed, batch=batch,
                                       progress=progress, forget_keys=forget_keys))
 

@@ -107,9 +107,14 @@ def start(data_dir: Path | None = None, port: int = DEFAULT_PORT) -> int:
         server.stop("fast")
         raise
     _say(f"pglane server: running on {data_dir}, port {port}, migrated to revision {schema.head()};"
-         f" its log: {server.log_path}. Stop it with: pglane server stop")
+         f" its log: {server.log_path}. Stop it with: pglane server stop{_data_dir_option(data_dir)}")
     _export(dsn)
     return 0
+
+
+def _data_dir_option(data_dir: Path) -> str:
+    """The --data-dir a later command needs to find this server (none for the default folder)."""
+    return "" if data_dir == default_data_dir().absolute() else f" --data-dir {shlex.quote(str(data_dir))}"
 
 
 def _socket_dir(data_dir: Path) -> Path:

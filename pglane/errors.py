@@ -159,7 +159,7 @@ CONSTRAINT_HINTS: dict[str, str] = {
         "could be handed to a second worker; raise --lease-timeout or lower --job-timeout"
     ),
     "lane_name_valid": (
-        "lane names are 1-48 characters: a lowercase letter, then lowercase letters, digits or '_'"
+        "lane names are 1-48 characters: a lowercase letter, then lowercase letters, digits, '_' or '-'"
     ),
     "lane_slots_range": "slots must be between 1 and 1000",
     "lane_max_attempts_range": "max_attempts must be between 1 and 100",

@@ -37,9 +37,11 @@ LANES: LiteralString = (  # every lane, or the one named %(name)s
 SET_LANE: LiteralString = "SELECT pglane.set_lane(%s, %s::jsonb) AS note"
 CREATE_LANE: LiteralString = (
     "INSERT INTO pglane.lanes (name, slots, job_timeout, lease_timeout, max_attempts, max_queued,"
-    " waiting_grace, max_payload_bytes, retry_backoff, max_result_bytes, takeover, rate_limit, rate_period)"
+    " waiting_grace, max_payload_bytes, retry_backoff, max_result_bytes, takeover, rate_limit, rate_period,"
+    " key_retention)"
     " SELECT %s, %s, make_interval(secs => %s), make_interval(secs => %s), %s, %s,"
-    " make_interval(secs => %s), %s, make_interval(secs => %s), %s, %s, r.rate_limit, r.rate_period"
+    " make_interval(secs => %s), %s, make_interval(secs => %s), %s, %s, r.rate_limit, r.rate_period,"
+    " make_interval(secs => %s)"
     " FROM pglane.parse_rate(coalesce(%s, 'none')) r RETURNING id"
 )
 
@@ -101,7 +103,8 @@ LANE_SETTINGS: LiteralString = (
     " replace(takeover, '_', '-') AS takeover,"
     " rate_limit, extract(epoch FROM rate_period)::float8 AS rate_period,"
     " max_result_bytes, max_payload_bytes, extract(epoch FROM waiting_grace)::float8 AS waiting_grace,"
-    " extract(epoch FROM retry_backoff)::float8 AS retry_backoff, created_at"
+    " extract(epoch FROM retry_backoff)::float8 AS retry_backoff,"
+    " extract(epoch FROM key_retention)::float8 AS key_retention, created_at"
     " FROM pglane.lanes WHERE %(name)s::text IS NULL OR name = %(name)s ORDER BY name"
 )
 # `pglane lane delete`: in one transaction, the lane's row locked first (an enqueue's foreign key check

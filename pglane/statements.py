@@ -81,15 +81,20 @@ def payload_json(payload: Any) -> str:
         raise InvalidPayload(f"payload is not JSON-serialisable ({exc}); send dicts, lists, strings, numbers") from None
 
 
+DEFAULT_KEY_RETENTION = 30 * 86400.0  # seconds a pruned job's idempotency key is remembered (lanes.key_retention)
+
+
 def create_lane(name: str, *, slots: int, job_timeout: float, lease_timeout: float | None, max_attempts: int,
                 max_queued: int | None, waiting_grace: float, max_payload_bytes: int, retry_backoff: float,
-                max_result_bytes: int, takeover: str, rate: str | None = None) -> Plan[int]:
+                max_result_bytes: int, takeover: str, rate: str | None = None,
+                key_retention: float = DEFAULT_KEY_RETENTION) -> Plan[int]:
     lease = timing.default_lease_timeout(job_timeout) if lease_timeout is None else lease_timeout
     for label, value in (("job_timeout", job_timeout), ("lease_timeout", lease)):
         if not math.isfinite(value):
             raise ConfigurationError(f"{label} must be a finite number of seconds")
     row = yield Query(queries.CREATE_LANE, (name, slots, job_timeout, lease, max_attempts, max_queued, waiting_grace,
-                                            max_payload_bytes, retry_backoff, max_result_bytes, takeover, rate))
+                                            max_payload_bytes, retry_backoff, max_result_bytes, takeover,
+                                            key_retention, rate))
     return int(row["id"])
 
 

@@ -14,12 +14,16 @@ $$;
 -- keep_keys: after a prune deleted the jobs in p_gone, remember the keys of those that had one, each
 -- until its job's finished_at + its lane's key_retention (lanes whose retention has passed already
 -- keep nothing), so that a repeated request gets the pruned job's id (PGL14), never a second paid
--- call; and forget the remembered keys whose time has come. p_forget_keys: remember none of these
--- (the operator's --forget-keys: the same key then makes a new job).
-CREATE OR REPLACE FUNCTION pglane.keep_keys(p_gone pglane.jobs[], p_forget_keys boolean) RETURNS void
+-- call; and forget the remembered keys whose time has come. p_forget_keys (the operator's
+-- --forget-keys: the same key then makes a new job): remember none of these, and forget the keys of
+-- the lane's (or every lane's) jobs that finished before p_cut, pruned earlier.
+CREATE OR REPLACE FUNCTION pglane.keep_keys(p_gone pglane.jobs[], p_forget_keys boolean, p_lane text,
+                                            p_cut timestamptz) RETURNS void
 LANGUAGE sql
 SET search_path = pg_catalog, pglane, pg_temp
 AS $$
+    DELETE FROM pglane.pruned_keys k
+     WHERE p_forget_keys AND k.finished_at < p_cut AND (p_lane IS NULL OR k.lane = p_lane);
     INSERT INTO pglane.pruned_keys AS k (lane, idempotency_key, job_id, status, enqueued_by, finished_at,
                                          forget_after)
     SELECT g.lane, g.idempotency_key, g.id, g.status, g.enqueued_by, g.finished_at,
@@ -36,7 +40,7 @@ $$;
 -- with their attempts (ON DELETE CASCADE); returns how many jobs went. Done and cancelled jobs go;
 -- failed jobs stay, because their attempts explain what happened and what may have been paid,
 -- unless p_include_failed. A pruned job's idempotency key is remembered for its lane's key_retention
--- (keep_keys) unless p_forget_keys.
+-- (keep_keys) unless p_forget_keys, which also forgets the keys of those pruned earlier.
 CREATE OR REPLACE FUNCTION pglane.prune(p_older_than interval, p_lane text DEFAULT NULL,
                                         p_include_failed boolean DEFAULT false, p_forget_keys boolean DEFAULT false)
 RETURNS bigint
@@ -64,7 +68,7 @@ BEGIN
     SELECT count(*), min(g.id), max(g.id), array_agg(g) FILTER (WHERE g.idempotency_key IS NOT NULL)
       INTO v_count, v_first, v_last, v_gone FROM gone g;
     PERFORM pglane.note_pruned(v_first, v_last, v_count);
-    PERFORM pglane.keep_keys(coalesce(v_gone, '{}'), p_forget_keys);
+    PERFORM pglane.keep_keys(coalesce(v_gone, '{}'), p_forget_keys, p_lane, now() - p_older_than);
     RETURN v_count;
 END $$;
 
@@ -103,5 +107,5 @@ BEGIN
     SELECT count(*), min(g.id), max(g.id), array_agg(g) FILTER (WHERE g.idempotency_key IS NOT NULL)
       INTO deleted, v_first, last_id, v_gone FROM gone g;
     PERFORM pglane.note_pruned(v_first, last_id, deleted);
-    PERFORM pglane.keep_keys(coalesce(v_gone, '{}'), p_forget_keys);
+    PERFORM pglane.keep_keys(coalesce(v_gone, '{}'), p_forget_keys, p_lane, now() - p_older_than);
 END $$;

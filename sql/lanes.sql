@@ -385,7 +385,7 @@ BEGIN
         END IF;
     END IF;
     IF v_new.slots < v_old.slots THEN  -- read before the change: slot_holders shows slots up to the lane's
-        SELECT string_agg(format('slot %s (pid %s)', h.slot, h.pid), ', ' ORDER BY h.slot) INTO v_over
+        SELECT string_agg(format('slot %s (server session pid %s)', h.slot, h.pid), ', ' ORDER BY h.slot) INTO v_over
           FROM pglane.slot_holders h WHERE h.lane_id = v_old.id AND h.slot > v_new.slots AND h.granted;
         IF v_over IS NOT NULL THEN
             v_note := format('; the workers holding %s are above the new %s slot(s): each finishes the job it '

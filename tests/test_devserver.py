@@ -51,6 +51,7 @@ def test_start_leaves_a_migrated_server_up_and_prints_its_dsn(data_dir: Path) ->
     port = free_port()
     started = server("start", "--data-dir", str(data_dir), "--port", str(port))
     assert started.returncode == 0, started.stderr
+    assert f"pglane server stop --data-dir {data_dir.absolute()}" in started.stderr  # a hint that works as given
     dsn = exported(started.stdout)
     assert f"@127.0.0.1:{port}/" in dsn
     with pglane.connect(dsn) as conn:  # the command has exited: the server stays

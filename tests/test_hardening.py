@@ -178,7 +178,8 @@ def fill_notify_queue(dsn: str) -> psycopg.Connection[Any]:
 
 
 def test_a_full_notify_queue_never_fails_an_enqueue_or_a_completion(small_queue: str) -> None:
-    with pglane.connect(small_queue) as conn:
+    with pglane.connect(small_queue) as opened:
+        conn: Any = opened
         conn.autocommit = True
         pglane.create_lane(conn, "brain", job_timeout=20)
         awaited = pglane.enqueue(conn, "brain", {"n": 0})

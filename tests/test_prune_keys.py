@@ -113,3 +113,32 @@ def test_deleting_a_lane_forgets_its_keys(conn: Any, lane: str) -> None:
     conn.execute("SELECT pg_advisory_unlock_all()")
     conn.execute("DELETE FROM pglane.lanes WHERE name = %s", (lane,))
     assert conn.execute("SELECT count(*) AS n FROM pglane.pruned_keys").fetchone()["n"] == 0
+
+
+def test_the_console_script_says_pruned_with_exit_6_and_forgets_only_when_told(dsn: str, conn: Any) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    def pglane_cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "pglane", *args], capture_output=True, text=True, cwd=ROOT,
+                              env={**os.environ, "PGLANE_DSN": dsn}, timeout=60)
+
+    created = pglane_cli("lane", "create", "keys", "--key-retention", "2d", "--json")
+    assert created.returncode == 0 and json.loads(created.stdout)["key-retention"] == 2 * 86400, created.stderr
+    take_slot(conn, "keys")
+    job = done_job(conn, "keys", "report-7", {"q": 7})
+    pruned = pglane_cli("prune", "--older-than", "0s")
+    assert pruned.returncode == 0 and "keys are remembered" in pruned.stdout, pruned.stderr
+    again = pglane_cli("enqueue", "keys", '{"q": 7}', "--key", "report-7")
+    assert again.returncode == 6 and f"job {job}" in again.stderr and "Traceback" not in again.stderr, again
+    assert len(again.stderr.strip().splitlines()) == 1
+    forgot = pglane_cli("prune", "--older-than", "0s", "--forget-keys")
+    assert forgot.returncode == 0 and "forgotten" in forgot.stdout, forgot.stderr
+    made = pglane_cli("enqueue", "keys", '{"q": 7}', "--key", "report-7")
+    assert made.returncode == 0 and int(made.stdout) != job
+    changed = pglane_cli("lane", "set", "keys", "--key-retention", "7d")
+    assert changed.returncode == 0 and "--key-retention 2d -> 7d" in changed.stdout, changed

@@ -87,7 +87,7 @@ AFTER = f"""
 UNDO_BEFORE = """
     DROP FUNCTION pglane.prune(interval, text, boolean, boolean),
                   pglane.prune_batch(interval, text, boolean, bigint, integer, boolean),
-                  pglane.keep_keys(pglane.jobs[], boolean), pglane.refuse_pruned_key(text, text);
+                  pglane.keep_keys(pglane.jobs[], boolean, text, timestamptz), pglane.refuse_pruned_key(text, text);
 """
 UNDO_AFTER = f"""
     DROP FUNCTION pglane.session_alive(integer, timestamptz, bigint, integer, integer),
