@@ -6,7 +6,12 @@ by uvicorn, against the real database."""
 from __future__ import annotations
 
 import os
+import re
+import socket
+import threading
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +19,13 @@ import httpx
 import pytest
 
 pytest.importorskip("starlette", reason="the web page's tests need pglane[web]")
+import uvicorn
+from starlette.applications import Starlette
 
-from tests.test_web import WebServer, operator_dsn  # noqa: F401  (a fixture)
+import pglane
+from pglane.web import create_app, server
+from tests.conftest import wait_until
+from tests.test_web import TOKEN, WebServer, operator_dsn  # noqa: F401  (a fixture)
 
 SEED_JOBS = 100_000
 SEED_LANES = 2_000
@@ -30,14 +40,298 @@ def seed(conn: Any, jobs: int = SEED_JOBS, lanes: int = SEED_LANES, lane: str = 
     conn.execute("ANALYZE pglane.lanes")
 
 
+class Served:
+    """The application served by uvicorn in a thread, on a free loopback port."""
+
+    def __init__(self, app: Starlette, host: str = "127.0.0.1") -> None:
+        sock = server.bind(host, 0)
+        self.port = sock.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        wait_until(lambda: self.server.started, 20, "uvicorn to start")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(20)
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., Served]]:
+    started: list[Served] = []
+
+    def start(app: Starlette, host: str = "127.0.0.1") -> Served:
+        started.append(Served(app, host))
+        return started[-1]
+
+    yield start
+    for one in started:
+        one.stop()
+
+
+def shown_jobs(body: str) -> list[int]:
+    return [int(j) for j in re.findall(r'<a href="[^"]*/jobs/(\d+)">', body)]
+
+
+def places(body: str) -> list[str]:
+    """The 'place' column of each row of the jobs list ('' for a job not queued)."""
+    return [m for m in re.findall(r'</td>\s*<td>([0-9]*)</td>\s*<td>\d+</td>\s*<td class="key">', body)]
+
+
+def next_link(body: str) -> str | None:
+    found = re.search(r'<a rel="next" class="next" href="([^"]+)"', body)
+    return found.group(1).replace("&amp;", "&") if found else None
+
+
+# --- 2. job lists that cost what they show -------------------------------------------------------------
+
+def test_the_jobs_list_is_paged_and_its_next_links_walk_every_job_once_in_order(
+    operator_dsn: str, conn: Any, lane: str, serve: Callable[..., Served]  # noqa: F811
+) -> None:
+    conn.execute("INSERT INTO pglane.jobs (lane) SELECT 'brain' FROM generate_series(1, 120)")
+    scheduled = [r["id"] for r in conn.execute(
+        "INSERT INTO pglane.jobs (lane, run_after) SELECT 'brain', now() + g * interval '1 hour'"
+        " FROM generate_series(3, 1, -1) g RETURNING id").fetchall()]
+    done = [r["id"] for r in conn.execute(
+        "WITH made AS (INSERT INTO pglane.jobs (lane) SELECT 'brain' FROM generate_series(1, 40) RETURNING id)"
+        " SELECT id FROM made ORDER BY id").fetchall()]
+    conn.execute("UPDATE pglane.jobs SET status = 'done', finished_at = now() WHERE id = ANY(%s)", (done,))
+    eligible = [r["id"] for r in conn.execute(
+        "SELECT id FROM pglane.jobs WHERE in_queue AND run_after <= now() ORDER BY id").fetchall()]
+    expected = eligible + scheduled[::-1] + done[::-1]  # service order, then the rest newest first
+    page = serve(create_app(operator_dsn))
+    walked: list[int] = []
+    where: list[str] = []
+    path: str | None = "/jobs"
+    with httpx.Client(base_url=page.url, timeout=30) as c:
+        pages = 0
+        while path is not None:
+            response = c.get(path)
+            assert response.status_code == 200, response.text
+            rows = shown_jobs(response.text)
+            assert 0 < len(rows) <= 50, path
+            fragment = c.get(path + ("&" if "?" in path else "?") + "fragment=1")
+            assert shown_jobs(fragment.text) == rows  # the refresh reads the same page
+            walked += rows
+            where += places(response.text)
+            path = next_link(response.text)
+            pages += 1
+        assert pages == 4
+        assert walked == expected
+        assert where == [str(n) for n in range(1, 124)] + [""] * 40  # each queued job's place in its lane
+        lane_only = c.get("/jobs", params={"lane": lane, "status": "queued", "after": str(eligible[99])}).text
+        assert shown_jobs(lane_only) == eligible[100:] + scheduled[::-1]
+        assert places(lane_only) == [str(n) for n in range(101, 124)]
+        assert next_link(lane_only) is None
+
+
+def test_a_slow_query_is_cut_by_the_statement_timeout_and_the_pool_keeps_serving(
+    operator_dsn: str, conn: Any, lane: str, serve: Callable[..., Served]  # noqa: F811
+) -> None:
+    """The lanes page made slow on purpose (its tallies locked): each of its requests gets a 503 once the
+    statement timeout cuts its query, and the jobs pages asked meanwhile, more than the pool's
+    connections, all get their answer."""
+    pglane_job = conn.execute("INSERT INTO pglane.jobs (lane) VALUES ('brain') RETURNING id").fetchone()["id"]
+    page = serve(create_app(operator_dsn, statement_timeout=1.0))
+    with httpx.Client(base_url=page.url, timeout=30) as c:
+        assert c.get("/").status_code == 200  # the pool is open and warm
+        with conn.transaction():
+            conn.execute("LOCK TABLE pglane.lane_tallies IN ACCESS EXCLUSIVE MODE")
+            started = time.monotonic()
+            with ThreadPoolExecutor(12) as pool:
+                slow = [pool.submit(c.get, "/") for _ in range(6)]
+                fast = [pool.submit(c.get, path) for path in ["/jobs", f"/jobs/{pglane_job}"] * 3]
+                slow_answers = [f.result() for f in slow]
+                fast_answers = [f.result() for f in fast]
+            took = time.monotonic() - started
+    for response in slow_answers:
+        assert response.status_code == 503 and "statement timeout" in response.text
+    for response in fast_answers:
+        assert response.status_code == 200, response.text
+    assert took < 15, took
+    with httpx.Client(base_url=page.url, timeout=30) as c:
+        assert c.get("/").status_code == 200  # every connection came back usable
+
+
+def test_a_client_that_goes_away_takes_its_query_with_it(
+    operator_dsn: str, dsn: str, conn: Any, lane: str, serve: Callable[..., Served]  # noqa: F811
+) -> None:
+    page = serve(create_app(operator_dsn, statement_timeout=120.0))
+
+    def waiting() -> int:
+        return int(conn.execute("SELECT count(*) AS n FROM pg_stat_activity WHERE application_name = 'pglane web'"
+                                " AND state = 'active' AND wait_event_type = 'Lock'").fetchone()["n"])
+
+    with httpx.Client(base_url=page.url, timeout=30) as c:
+        assert c.get("/").status_code == 200
+    with pglane.connect(dsn) as locker, locker.transaction():
+        locker.execute("LOCK TABLE pglane.lane_tallies IN ACCESS EXCLUSIVE MODE")
+        with pytest.raises(httpx.TimeoutException), httpx.Client(base_url=page.url, timeout=1.0) as c:
+            c.get("/")  # the client gives up after 1 s and closes its connection
+        wait_until(lambda: waiting() == 0, 10, "the page to cancel the query of the client that left")
+    with httpx.Client(base_url=page.url, timeout=30) as c:
+        assert c.get("/").status_code == 200
+
+
+# --- 7. refusals before a body is read ------------------------------------------------------------------
+
+def post_head_first(port: int, headers: dict[str, str], body_chunk: bytes, chunks: int,
+                    host: str = "127.0.0.1") -> tuple[str, int]:
+    """A POST /actions/retry whose headers announce a large body; the body is sent a chunk at a time, and
+    after each the socket is checked for an answer: (the answer's status line, the body bytes sent)."""
+    sent = 0
+    with socket.create_connection((host, port), timeout=10) as sock:
+        head = "".join(f"{k}: {v}\r\n" for k, v in {"Host": f"{host}:{port}", **headers}.items())
+        sock.sendall(f"POST /actions/retry HTTP/1.1\r\n{head}\r\n".encode())
+        sock.settimeout(0.2)
+        for _ in range(chunks):
+            try:
+                answer = sock.recv(65536)
+            except TimeoutError:
+                answer = b""
+            if answer:
+                return answer.split(b"\r\n")[0].decode(), sent
+            try:
+                sock.sendall(body_chunk)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            sent += len(body_chunk)
+        sock.settimeout(10)
+        try:
+            answer = sock.recv(65536)
+        except (TimeoutError, ConnectionResetError):
+            answer = b""
+        return answer.split(b"\r\n")[0].decode(), sent
+
+
+MIB = 1024 * 1024
+MULTIPART = {"Content-Type": "multipart/form-data; boundary=xx", "Content-Length": str(500 * MIB)}
+
+
+def test_a_read_only_page_refuses_an_upload_before_reading_it(
+    operator_dsn: str, lane: str, tmp_path: Path  # noqa: F811
+) -> None:
+    web = WebServer(operator_dsn, tmp_path / "web.log")
+    try:
+        status, sent = post_head_first(web.port, MULTIPART, b"x" * 65536, chunks=40)
+        assert status.startswith("HTTP/1.1 403 "), status
+        assert sent <= 2 * MIB  # answered with 498 of its 500 MiB still unsent
+    finally:
+        web.stop()
+
+
+def test_an_action_is_a_small_urlencoded_form_or_refused_before_its_body(
+    operator_dsn: str, lane: str, serve: Callable[..., Served]  # noqa: F811
+) -> None:
+    page = serve(create_app(operator_dsn, token=TOKEN))
+    status, sent = post_head_first(page.port, MULTIPART, b"x" * 65536, chunks=40)
+    assert status.startswith("HTTP/1.1 415 ") and sent <= 2 * MIB
+    large = {"Content-Type": "application/x-www-form-urlencoded", "Content-Length": str(500 * MIB)}
+    status, sent = post_head_first(page.port, large, b"x" * 65536, chunks=40)
+    assert status.startswith("HTTP/1.1 413 ") and sent <= 2 * MIB
+    chunked = {"Content-Type": "application/x-www-form-urlencoded", "Transfer-Encoding": "chunked"}
+    status, sent = post_head_first(page.port, chunked, b"4000\r\n" + b"x" * 0x4000 + b"\r\n", chunks=40)
+    assert status.startswith("HTTP/1.1 413 ") and sent <= 2 * MIB  # cut once past 64 KiB
+    with httpx.Client(base_url=page.url, timeout=30) as c:  # a form as the page sends it still gets through
+        refused = c.post("/actions/retry", data={"job": "1", "csrf": "x", "token": TOKEN})
+        assert refused.status_code == 403 and "CSRF" in refused.text
+
+
+# --- 8. the Host check on every bind --------------------------------------------------------------------
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+def test_a_page_on_ipv6_loopback_refuses_a_foreign_host(operator_dsn: str, lane: str, tmp_path: Path) -> None:  # noqa: F811
+    web = WebServer(operator_dsn, tmp_path / "web.log", "--host", "::1")
+    try:
+        assert web.host == "[::1]"
+        with httpx.Client(base_url=web.url, timeout=30) as c:
+            for host in (f"rebound.example:{web.port}", "rebound.example", f"[::2]:{web.port}",
+                         f"localhost:{web.port + 1}"):
+                refused = c.get("/", headers={"Host": host})
+                assert refused.status_code == 400 and "lane-brain" not in refused.text, host
+            for host in (f"[::1]:{web.port}", f"localhost:{web.port}", f"127.0.0.1:{web.port}"):
+                assert c.get("/", headers={"Host": host}).status_code == 200, host
+    finally:
+        web.stop()
+
+
+def test_beyond_loopback_the_page_needs_allowed_hosts_and_says_what_protects_it(
+    operator_dsn: str, lane: str, tmp_path: Path  # noqa: F811
+) -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    env = {**os.environ, "PGLANE_DSN": operator_dsn}
+    env.pop(server.ALLOWED_HOSTS_ENV, None)
+    run = subprocess.run([sys.executable, "-m", "pglane", "web", "--host", "0.0.0.0", "--port", "0"], env=env,
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert run.returncode == 2 and server.ALLOWED_HOSTS_ENV in run.stderr, run.stderr
+    web = WebServer(operator_dsn, tmp_path / "web.log", "--host", "0.0.0.0",
+                    env={server.ALLOWED_HOSTS_ENV: "pglane.example"})
+    try:
+        assert "Host check" in web.log() and "pglane.example" in web.log() and "read-only" in web.log()
+        with httpx.Client(base_url=f"http://127.0.0.1:{web.port}", timeout=30) as c:
+            assert c.get("/", headers={"Host": f"pglane.example:{web.port}"}).status_code == 200
+            assert c.get("/", headers={"Host": f"127.0.0.1:{web.port}"}).status_code == 400
+    finally:
+        web.stop()
+
+
+# --- 9. paged lanes -------------------------------------------------------------------------------------
+
+def test_two_thousand_lanes_make_pages_of_fifty_with_working_next_links(
+    operator_dsn: str, conn: Any, lane: str, serve: Callable[..., Served]  # noqa: F811
+) -> None:
+    conn.execute("INSERT INTO pglane.lanes (name) SELECT 'l' || g FROM generate_series(0, 1999) g")
+    every = [r["name"] for r in conn.execute("SELECT name FROM pglane.lanes ORDER BY name").fetchall()]
+    page = serve(create_app(operator_dsn))
+    walked: list[str] = []
+    with httpx.Client(base_url=page.url, timeout=60) as c:
+        path: str | None = "/"
+        for _ in range(3):
+            assert path is not None
+            response = c.get(path)
+            assert response.status_code == 200
+            assert len(response.content) < 1_000_000  # 2,000 lanes made 12 MB
+            names = re.findall(r'<section class="lane" id="lane-([^"]+)">', response.text)
+            assert len(names) == 50
+            refreshed = c.get(path + ("&" if "?" in path else "?") + "fragment=1")
+            assert re.findall(r'<section class="lane" id="lane-([^"]+)">', refreshed.text) == names
+            walked += names
+            path = next_link(response.text)
+        assert walked == every[:150]
+        last = c.get("/", params={"after": every[-3]}).text
+        assert re.findall(r'<section class="lane" id="lane-([^"]+)">', last) == every[-2:]
+        assert next_link(last) is None
+        prefixed = c.get("/", params={"prefix": "l19"}).text  # l19, l190-l199, l1900-l1999: 111
+        names = re.findall(r'<section class="lane" id="lane-([^"]+)">', prefixed)
+        assert names == [n for n in every if n.startswith("l19")][:50]
+        following = c.get(next_link(prefixed) or "/nowhere").text
+        assert re.findall(r'<section class="lane" id="lane-([^"]+)">', following) == [
+            n for n in every if n.startswith("l19")][50:100]
+
+
 @pytest.mark.skipif(not os.environ.get("PGLANE_WEB_MEASURE"), reason="a measurement: set PGLANE_WEB_MEASURE=1")
 def test_measure_page_times(operator_dsn: str, conn: Any, lane: str, tmp_path: Path) -> None:  # noqa: F811
     seed(conn)
     server = WebServer(operator_dsn, tmp_path / "web.log")
     try:
         with httpx.Client(base_url=server.url, timeout=float(os.environ.get("PGLANE_WEB_MEASURE_TIMEOUT", "120"))) as c:
-            for path in ("/", "/?fragment=1", "/jobs", "/jobs?status=queued", "/jobs?lane=brain",
-                         "/jobs?status=failed", "/jobs?key=nothing"):
+            for path in ("/", "/?fragment=1", "/?after=l1500", "/?prefix=l19", "/jobs", "/jobs?fragment=1",
+                         "/jobs?status=queued", "/jobs?lane=brain", "/jobs?lane=brain&after=90000",
+                         "/jobs?status=done", "/jobs?status=failed", "/jobs?key=nothing"):
                 started = time.monotonic()
                 try:
                     r = c.get(path)

@@ -210,7 +210,12 @@ class Page:
         if lanes not in self._history:
             if len(self._history) >= 64:  # many pages read at once: forget the oldest
                 del self._history[min(self._history, key=lambda k: self._history[k][0])]
-            rows = await self.rows(web_queries.LAST_HOUR, {"lanes": list(lanes)}) if lanes else []
+            try:
+                rows = await self.rows(web_queries.LAST_HOUR, {"lanes": list(lanes)}) if lanes else []
+            except HTTPException as exc:  # cut by the statement timeout: the page goes without its charts
+                if exc.status_code != 503:
+                    raise
+                rows = []
             self._history[lanes] = (now, charts.lane_charts(rows))
         return self._history[lanes][1]
 
