@@ -13,7 +13,7 @@ from typing import Any
 
 import psycopg
 
-from . import cli_lanes, client, durations, privileges, queries, replication, schema, timing
+from . import cli_lanes, client, durations, lockwait, privileges, queries, replication, schema, timing
 from .cli_format import json_stream, pipe_closed, table, to_json
 from .errors import (
     ConfigurationError,
@@ -291,6 +291,11 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, help="the TCP port on 127.0.0.1 (start only; default 54329)")
     for c in (*sub.choices.values(), *lane.choices.values()):  # --dsn after the command too; it wins
         c.add_argument("--dsn", default=argparse.SUPPRESS, help=dsn_help)
+    for name, c in (*sub.choices.items(), *lane.choices.items()):
+        if name not in ("lane", "worker", "web", "demo", "server", "migrate"):
+            c.add_argument("--lock-wait", type=_seconds, default="10s",
+                           help="wait at most this long for a lock another session holds, then name that session "
+                           "and stop with nothing changed")
     return p
 
 
@@ -356,7 +361,8 @@ def _run(args: argparse.Namespace) -> int:
     with client.connect(dsn) as conn:
         try:
             schema.require_current(conn)
-            return _command(conn, args)
+            with lockwait.bounded(conn, dsn, args.lock_wait):
+                return _command(conn, args)
         except (PermissionDenied, psycopg.errors.InsufficientPrivilege) as exc:
             raise PermissionDenied(_true_grant_hint(conn, args, exc)) from None
 

@@ -255,6 +255,11 @@ class JobPruned(UnknownJob):
             " to run it again"))
 
 
+class LockWaitTimeout(PglaneError):
+    """A command waited its bounded time for a lock another session holds (pglane.lockwait): nothing was
+    changed; the message names the blocking sessions and what to do."""
+
+
 class WaitTimeout(PglaneError):
     """A wait ended before the job finished; the job goes on. ``status`` is where it is: queued at
     ``queue_position`` (``waiting_for_worker`` once past the lane's grace), or running since

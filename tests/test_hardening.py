@@ -204,3 +204,34 @@ def test_a_full_notify_queue_never_fails_an_enqueue_or_a_completion(small_queue:
                    "the queue to drain")
         pglane.enqueue(conn, "brain", {"n": 3})
         assert conn.execute("SELECT pglane.notifications_skipped() AS n").fetchone()["n"] == skipped
+
+
+def _cli(dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
+    import os
+    import sys
+
+    from tests.conftest import ROOT
+
+    return subprocess.run([sys.executable, "-m", "pglane", *args], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PGLANE_DSN": dsn}, timeout=60)
+
+
+@pytest.mark.parametrize("command", [("lane", "set", "c", "--rate", "1/s"), ("lane", "delete", "c", "--force"),
+                                     ("cancel", "JOB")])
+def test_an_operator_command_behind_another_sessions_lock_stops_and_names_it(
+        dsn: str, conn: Any, session: Any, command: tuple[str, ...]) -> None:
+    lane = rate_lane(conn)
+    job = pglane.enqueue(conn, lane, {})
+    holder = session(autocommit=False)
+    holder.execute("SET application_name = 'forgotten transaction'")
+    pglane.enqueue(holder, lane, {})  # the lane row FOR KEY SHARE, until it ends
+    holder.execute("SELECT 1 FROM pglane.jobs WHERE id = %s FOR UPDATE", (job,))
+    done = _cli(dsn, *[str(job) if part == "JOB" else part for part in command], "--lock-wait", "1s")
+    assert done.returncode == 1, done
+    line = done.stderr.strip()
+    assert len(line.splitlines()) == 1 and "Traceback" not in line, line
+    assert f"session {holder.info.backend_pid}" in line and "'forgotten transaction'" in line, line
+    assert "nothing was changed" in line
+    holder.rollback()
+    assert pglane.job_status(conn, job)["status"] == "queued"
+    assert conn.execute("SELECT rate_limit FROM pglane.lanes WHERE name = %s", (lane,)).fetchone() == {"rate_limit": 5}

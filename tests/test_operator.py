@@ -357,7 +357,11 @@ def test_prune_removes_old_finished_jobs_but_keeps_failures_unless_asked(session
     assert left == {failed, recent}
     assert conn.execute("SELECT count(*) AS n FROM pglane.attempts WHERE job_id = %s", (failed,)).fetchone()["n"] == 1
     assert pglane.prune(conn, 7 * 86400, include_failed=True) == 1
-    assert pglane.enqueue(conn, lane, {}, key="a") not in (done, failed)  # a pruned key is forgotten
+    with pytest.raises(pglane.JobPruned) as kept:  # a pruned key is remembered for the lane's key retention
+        pglane.enqueue(conn, lane, {}, key="a")
+    assert kept.value.job_id == done
+    pglane.prune(conn, 7 * 86400, forget_keys=True)  # forgotten only when the operator says so
+    assert pglane.enqueue(conn, lane, {}, key="a") not in (done, failed)
 
 
 def test_the_queue_gauges_count_this_lanes_queued_and_running_jobs_only(conn: Any, lane: str) -> None:
