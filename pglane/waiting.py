@@ -12,6 +12,15 @@ completion is either seen by that read or notified. Whenever the session is lost
 every waiter is woken to read again: notifications sent meanwhile are gone. A notification is only a
 hint: a waiter always reads the job's state itself, and reads it every poll interval anyway.
 
+Notifications are untrusted input: any login may NOTIFY pglane_done with any payload (pg_notify is
+granted to PUBLIC), so a payload is a job id only if it is 1 to 19 ASCII digits; anything else is
+ignored and counted (`ignored_notifications`). A notification for a job nobody here waits for wakes
+nobody, and a waiter woken again and again (a flood of its job's id) reads its job at most
+``WAKE_BURST`` times at once and then once per ``WAKE_GAP`` (`_ReadBudget`). The listening session
+is kept up whatever fails in it: any exception ends that opening, not the listener, which opens
+again with backoff while anyone waits; a listener found dead anyway (its thread or task ended) is
+started again by the next waiter's registration or pause. Waiters meanwhile go on by their poll.
+
 How it breaks: through a transaction-mode pooler, LISTEN does not follow the session; waits then
 end by their backup poll (the job's state is always read). A listening session that cannot connect
 leaves the waiters polling; it retries with backoff while anyone waits.
@@ -23,6 +32,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +49,9 @@ APPLICATION_NAME = "pglane waiters"  # the listening session's application_name 
 READY_TIMEOUT = 10.0  # how long a waiter waits for the session to listen before it relies on polls alone
 LINGER = 2.0  # the session stays open this long after the last waiter left, for the next one
 _BACKOFF = (0.1, 0.5, 1.0, 2.0, 5.0)
+MAX_ID_DIGITS = 19  # a bigint has at most 19 digits: a longer payload is no job id
+WAKE_GAP = 0.5  # a waiter woken by notifications reads its job at most once per WAKE_GAP ...
+WAKE_BURST = 2  # ... after its first WAKE_BURST reads (a completion, and a reconnection's wake-up)
 
 
 def conninfo_of(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> str:
@@ -49,8 +62,64 @@ def conninfo_of(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) ->
     return make_conninfo(**options)
 
 
+class _Counters:
+    """What this process's waiters did, for tests and diagnostics: ``ignored``, notifications on
+    pglane_done whose payload was no job id; ``reads``, reads of a job's state after a wait's first
+    (each pause ends in one). Guarded by ``lock`` (listener threads and waiting threads count)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.ignored = 0
+        self.reads = 0
+
+    def count(self, ignored: int = 0, reads: int = 0) -> None:
+        with self.lock:
+            self.ignored += ignored
+            self.reads += reads
+
+
+_counters = _Counters()
+
+
+def ignored_notifications() -> int:
+    """How many pglane_done notifications this process ignored because their payload was no job id."""
+    return _counters.ignored
+
+
+def waiter_reads() -> int:
+    """How many times this process's waits read their job's state again after their first read."""
+    return _counters.reads
+
+
 def _job_id(payload: str) -> int | None:
-    return int(payload) if payload.isdigit() else None
+    """The job id a pglane_done payload names, or None (counted) for anything else: 1 to MAX_ID_DIGITS
+    ASCII digits only ('²'.isdigit() is true, and int() refuses it)."""
+    if 0 < len(payload) <= MAX_ID_DIGITS and payload.isascii() and payload.isdigit():
+        return int(payload)
+    _counters.count(ignored=1)
+    return None
+
+
+class _ReadBudget:
+    """How soon a woken waiter may read its job: a token bucket of WAKE_BURST reads, refilled by one per
+    WAKE_GAP. However many notifications come, a waiter reads at most WAKE_BURST + t / WAKE_GAP times in t
+    seconds (its poll aside); a genuine completion is read at once unless a flood came first."""
+
+    def __init__(self) -> None:
+        self.tokens = float(WAKE_BURST)  # may go below 0: a read owed, paid by the hold `take` returns
+        self.at = time.monotonic()
+
+    def take(self) -> float:
+        """Take one read; the seconds to hold the waiter before it reads."""
+        now = time.monotonic()
+        self.tokens = min(float(WAKE_BURST), self.tokens + (now - self.at) / WAKE_GAP) - 1
+        self.at = now
+        return max(0.0, -self.tokens * WAKE_GAP)
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 # --- threads -----------------------------------------------------------------------------------------
@@ -63,6 +132,7 @@ class _Session:
     ready: threading.Event = field(default_factory=threading.Event)
     up: bool = False
     backend_pid: int | None = None
+    thread: threading.Thread | None = None
 
 
 class Listener:
@@ -78,11 +148,26 @@ class Listener:
         event = threading.Event()
         with self._lock:
             self._waiters.setdefault(job_id, set()).add(event)
-            if self._session is None:
-                self._session = _Session()
-                threading.Thread(target=self._run, args=(self._session,), name="pglane-waiters",
-                                 daemon=True).start()
-            return event, self._session
+            return event, self._running()
+
+    def revive(self) -> None:
+        """Start the listening thread again if it died (see _running)."""
+        with self._lock:
+            if self._waiters:
+                self._running()
+
+    def _running(self) -> _Session:
+        """The current session, its thread started anew if none runs or the one recorded died: _run
+        catches every Exception, so only something stranger ends it without _idle, and the waiters
+        registered meanwhile poll until this runs (at the next registration or pause). Under _lock."""
+        session = self._session
+        if session is None or session.thread is None or not session.thread.is_alive():
+            if session is not None:
+                log.warning("pglane: the waiters' listening thread had died; starting it again")
+            session = self._session = _Session()
+            session.thread = threading.Thread(target=self._run, args=(session,), name="pglane-waiters", daemon=True)
+            session.thread.start()
+        return session
 
     def remove(self, job_id: int, event: threading.Event) -> None:
         with self._lock:
@@ -125,15 +210,15 @@ class Listener:
                         idle_for = idle_for + 0.5 if not self._waiters else 0.0
                         if idle_for >= LINGER and self._idle(session):
                             return
-            except psycopg.Error as exc:
+            except Exception as exc:  # whatever it was (a lost session, a bug): open again, with backoff
                 session.up = False
                 session.ready.set()  # waiters go on by polling
                 self._wake(None)
                 if self._idle(session):
                     return
                 log.warning("pglane: the waiters' listening session failed (%s); waits poll until it is back",
-                            str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
-                threading.Event().wait(_BACKOFF[min(failures, len(_BACKOFF) - 1)])
+                            _first_line(exc))
+                time.sleep(_BACKOFF[min(failures, len(_BACKOFF) - 1)])
                 failures += 1
                 session.ready.clear()
 
@@ -156,12 +241,18 @@ class Waiter:
 
     def __init__(self, listener: Listener, job_id: int) -> None:
         self._listener, self._job_id = listener, job_id
+        self._budget = _ReadBudget()
         self._event, session = listener.add(job_id)
         session.ready.wait(READY_TIMEOUT)
 
     def pause(self, seconds: float) -> bool:
+        self._listener.revive()
+        until = time.monotonic() + seconds
         fired = self._event.wait(seconds)
+        if fired and (hold := min(self._budget.take(), until - time.monotonic())) > 0:
+            time.sleep(hold)  # a flood of this job's id: the notifications meanwhile fold into one read
         self._event.clear()  # before the state is read again: a later notification is never lost
+        _counters.count(reads=1)
         return fired
 
     def close(self) -> None:
@@ -202,10 +293,16 @@ class AsyncListener:
     def add(self, job_id: int) -> asyncio.Event:
         event = asyncio.Event()
         self._waiters.setdefault(job_id, set()).add(event)
-        if self._task is None or self._task.done():
-            self.ready = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="pglane-waiters")
+        self.revive()
         return event
+
+    def revive(self) -> None:
+        """Start the listening task if none runs (it ended idle, or died: _run catches every Exception,
+        so only cancellation or something stranger ends it otherwise)."""
+        if self._waiters and (self._task is None or self._task.done()):
+            self.ready = asyncio.Event()
+            self.backend_pid = None
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="pglane-waiters")
 
     def remove(self, job_id: int, event: asyncio.Event) -> None:
         events = self._waiters.get(job_id)
@@ -237,14 +334,14 @@ class AsyncListener:
                         if idle_for >= LINGER and not self._waiters:
                             self.backend_pid = None
                             return
-            except psycopg.Error as exc:
+            except Exception as exc:  # whatever it was (a lost session, a bug): open again, with backoff
                 self.backend_pid = None
                 self.ready.set()
                 self._wake(None)
                 if not self._waiters:
                     return
                 log.warning("pglane: the waiters' listening session failed (%s); waits poll until it is back",
-                            str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+                            _first_line(exc))
                 await asyncio.sleep(_BACKOFF[min(failures, len(_BACKOFF) - 1)])
                 failures += 1
                 self.ready = asyncio.Event()
@@ -259,6 +356,7 @@ class AsyncWaiter:
 
     def __init__(self, listener: AsyncListener, job_id: int) -> None:
         self._listener, self._job_id = listener, job_id
+        self._budget = _ReadBudget()
         self._event = listener.add(job_id)
 
     async def started(self) -> AsyncWaiter:
@@ -267,12 +365,17 @@ class AsyncWaiter:
         return self
 
     async def pause(self, seconds: float) -> bool:
+        self._listener.revive()
+        until = time.monotonic() + seconds
         try:
             await asyncio.wait_for(self._event.wait(), seconds)
             fired = True
         except TimeoutError:
             fired = False
+        if fired and (hold := min(self._budget.take(), until - time.monotonic())) > 0:
+            await asyncio.sleep(hold)  # as Waiter.pause
         self._event.clear()
+        _counters.count(reads=1)
         return fired
 
     def close(self) -> None:
