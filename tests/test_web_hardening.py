@@ -177,13 +177,14 @@ def test_a_client_that_goes_away_takes_its_query_with_it(
 # --- 7. refusals before a body is read ------------------------------------------------------------------
 
 def post_head_first(port: int, headers: dict[str, str], body_chunk: bytes, chunks: int,
-                    host: str = "127.0.0.1") -> tuple[str, int]:
+                    host: str = "127.0.0.1", first: bytes = b"") -> tuple[str, int]:
     """A POST /actions/retry whose headers announce a large body; the body is sent a chunk at a time, and
     after each the socket is checked for an answer: (the answer's status line, the body bytes sent)."""
     sent = 0
     with socket.create_connection((host, port), timeout=10) as sock:
         head = "".join(f"{k}: {v}\r\n" for k, v in {"Host": f"{host}:{port}", **headers}.items())
-        sock.sendall(f"POST /actions/retry HTTP/1.1\r\n{head}\r\n".encode())
+        sock.sendall(f"POST /actions/retry HTTP/1.1\r\n{head}\r\n".encode() + first)
+        sent = len(first)
         sock.settimeout(0.2)
         for _ in range(chunks):
             try:
@@ -207,6 +208,9 @@ def post_head_first(port: int, headers: dict[str, str], body_chunk: bytes, chunk
 
 MIB = 1024 * 1024
 MULTIPART = {"Content-Type": "multipart/form-data; boundary=xx", "Content-Length": str(500 * MIB)}
+# A well-formed upload's start: a parser reading it spools the file's bytes that follow.
+UPLOAD = (b'--xx\r\nContent-Disposition: form-data; name="file"; filename="big.bin"\r\n'
+          b"Content-Type: application/octet-stream\r\n\r\n")
 
 
 def test_a_read_only_page_refuses_an_upload_before_reading_it(
@@ -214,7 +218,7 @@ def test_a_read_only_page_refuses_an_upload_before_reading_it(
 ) -> None:
     web = WebServer(operator_dsn, tmp_path / "web.log")
     try:
-        status, sent = post_head_first(web.port, MULTIPART, b"x" * 65536, chunks=40)
+        status, sent = post_head_first(web.port, MULTIPART, b"x" * 65536, chunks=40, first=UPLOAD)
         assert status.startswith("HTTP/1.1 403 "), status
         assert sent <= 2 * MIB  # answered with 498 of its 500 MiB still unsent
     finally:
@@ -225,7 +229,7 @@ def test_an_action_is_a_small_urlencoded_form_or_refused_before_its_body(
     operator_dsn: str, lane: str, serve: Callable[..., Served]  # noqa: F811
 ) -> None:
     page = serve(create_app(operator_dsn, token=TOKEN))
-    status, sent = post_head_first(page.port, MULTIPART, b"x" * 65536, chunks=40)
+    status, sent = post_head_first(page.port, MULTIPART, b"x" * 65536, chunks=40, first=UPLOAD)
     assert status.startswith("HTTP/1.1 415 ") and sent <= 2 * MIB
     large = {"Content-Type": "application/x-www-form-urlencoded", "Content-Length": str(500 * MIB)}
     status, sent = post_head_first(page.port, large, b"x" * 65536, chunks=40)
