@@ -280,6 +280,9 @@ def _parser() -> argparse.ArgumentParser:
                      "from $PGLANE_WEB_TOKEN or --token-file")
     web.add_argument("--token-file", help="a file whose first line is the action token")
     web.add_argument("--root-path", help="the path prefix a reverse proxy serves the page under, e.g. /pglane")
+    web.add_argument("--allowed-host", action="append", dest="allowed_host", metavar="NAME[:PORT]",
+                     help="a Host header the page answers when bound beyond loopback (repeatable; also "
+                     "$PGLANE_WEB_ALLOWED_HOSTS, comma-separated); required there, against DNS rebinding")
 
     demo = command("demo", "the whole promise in under a minute, on an embedded PostgreSQL", json_flag=False)
     demo.add_argument("--data-dir", help="keep the embedded server's data here (default: a temp dir)")

@@ -282,8 +282,7 @@ def test_beyond_loopback_the_page_needs_allowed_hosts_and_says_what_protects_it(
     run = subprocess.run([sys.executable, "-m", "pglane", "web", "--host", "0.0.0.0", "--port", "0"], env=env,
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert run.returncode == 2 and server.ALLOWED_HOSTS_ENV in run.stderr, run.stderr
-    web = WebServer(operator_dsn, tmp_path / "web.log", "--host", "0.0.0.0",
-                    env={server.ALLOWED_HOSTS_ENV: "pglane.example"})
+    web = WebServer(operator_dsn, tmp_path / "web.log", "--host", "0.0.0.0", "--allowed-host", "pglane.example")
     try:
         assert "Host check" in web.log() and "pglane.example" in web.log() and "read-only" in web.log()
         with httpx.Client(base_url=f"http://127.0.0.1:{web.port}", timeout=30) as c:
