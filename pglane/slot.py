@@ -6,6 +6,11 @@ Owns the lock connection. Invariants:
   second release) and released with a checked unlock;
 - claims run on this session, because pglane.claim() refuses any session that holds no slot;
 - the lock key is (lane id, slot number), never a hash of the name; the channel is ``pglane_<id>``.
+- the channel's notifications are untrusted (any login may NOTIFY it): an empty payload is a wake-up,
+  ``settings`` is news (pglane.set_lane changed the lane), anything else is ignored and counted
+  (``ignored``), the first one logged; a flood of any of them costs claims at most the worker's cap.
+- a standby learns of a raised slot count: it listens while it waits and reads the lane again on its news
+  and every ``recheck`` seconds anyway (`wait_take`).
 - the session is never silent for long unnoticed: every statement runs under a deadline (``liveness``,
   10 s by default) past which the ``Fuse`` cuts the socket, and during a call ``watch()`` asks the
   server a question whenever nothing arrived for a quarter of that time and takes the session for lost
@@ -35,6 +40,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, LiteralString
 
 import psycopg
@@ -59,7 +65,8 @@ KEEPALIVES: dict[str, Any] = {
     "keepalives_count": 3,
     "tcp_user_timeout": 10000,
 }
-STANDBY_WAIT = "500ms"  # one blocking wait for a busy slot; bounded so that a stop request is seen
+STANDBY_WAIT = "500ms"  # one blocking wait for a busy slot; bounded so that a stop request (and news) is seen
+SETTINGS = "settings"  # the payload of pglane.set_lane's NOTIFY (sql/lanes.sql); '' is a plain wake-up
 
 
 class Fuse(threading.Thread):
@@ -101,7 +108,8 @@ class LockSession:
         self._fuse = Fuse(conn.fileno())
         self._fuse.start()
         self._unanswered = False  # a liveness question whose answer is still to be read (see _ping)
-        self.news = False  # a NOTIFY with a payload came (the lane's settings changed); the worker clears it
+        self.news = False  # a NOTIFY 'settings' came (the lane's settings changed); the worker clears it
+        self.ignored = 0  # notifications on the channel that were neither a wake-up nor news (not pglane's)
 
     def execute(self, query: LiteralString | sql.Composed, params: Any = None,
                 within: float | None = None) -> dict[str, Any] | None:
@@ -159,14 +167,24 @@ class LockSession:
         self.slot = slot
         self.execute(queries.SLOT_HINT, (str(slot),))
 
-    async def wait_take(self, stopping: asyncio.Event) -> bool:
+    async def wait_take(self, stopping: asyncio.Event, reread: Callable[[], None], recheck: float) -> bool:
         """Wait as a standby until a slot frees, then take it; False if asked to stop first.
         Blocks on one slot at a time (rotating, STANDBY_WAIT each) so that a one-slot lane is taken
-        over the moment its holder's session ends; between waits the event loop runs (signals)."""
+        over the moment its holder's session ends; between waits the event loop runs (signals), and
+        the lane's notifications are read (listen() first): on its news, and every ``recheck`` seconds
+        anyway (a notification may be lost), ``reread`` reads the lane again (setting ``slots``) and every
+        slot is tried at once, so that a raised slot count is taken without waiting for a holder."""
         self.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(STANDBY_WAIT)))
         try:
             turn = 0
+            due = time.monotonic() + recheck
             while not stopping.is_set():
+                self._drain_notifies()  # plain wake-ups are dropped: the first claim after the take answers them
+                if self.news or time.monotonic() >= due:
+                    reread()
+                    due = time.monotonic() + recheck
+                    if self.try_take():
+                        return True
                 slot = turn % self.slots + 1
                 turn += 1
                 try:
@@ -187,13 +205,21 @@ class LockSession:
         self.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
 
     def _drain_notifies(self) -> bool:
-        """Consume the notifications received so far; True if there was one, and `news` set if one
-        carried a payload (the lane's settings changed). Raises OperationalError when the connection
-        is gone (that is how a dead session is noticed)."""
+        """Consume the notifications received so far; True if there was a wake-up or news, and `news`
+        set if one was news (the lane's settings changed); others are ignored (module doc). Raises
+        OperationalError when the connection is gone (that is how a dead session is noticed)."""
         got = False
         for notify in self.conn.notifies(timeout=0):
-            got = True
-            self.news = self.news or bool(notify.payload)
+            if notify.payload == SETTINGS:
+                got = self.news = True
+            elif not notify.payload:
+                got = True
+            else:
+                self.ignored += 1
+                if self.ignored == 1:
+                    log.warning("ignored a notification on %s that is not pglane's (a %s-character payload "
+                                "from pid %s); any login may send them, and only wake-ups and 'settings' count",
+                                self.channel, len(notify.payload), notify.pid)
         return got
 
     def forget_wakes(self) -> None:
@@ -242,7 +268,7 @@ class LockSession:
         return await self._readable(timeout)
 
     async def wait_for_news(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for a NOTIFY that carries news (a payload: the lane's settings
+        """Wait up to ``timeout`` seconds for a NOTIFY that carries news ('settings': the lane's settings
         changed), reading and dropping the plain ones (a job arrived): a slot waiting for its rate
         limit's opening cannot start sooner for a new job, and must not claim for every one. True if
         news came; False on timeout or interrupt()."""

@@ -6,10 +6,11 @@ the slot session to pglane.slot. Its states, and where each one leads:
     state            what happens                                              leads to
     connecting       a session is opened (after a backoff, see below); an      standby; holding
                      outcome still pending is written first
-    standby          every slot is held: wait for one to free                  holding; stopping
-    holding, idle    on taking the slot: recover, LISTEN, claim. With no job:  calling; stopping
-                     recover if due, else wait for a NOTIFY, the poll interval
-                     or the recovery timer; claim again
+    standby          every slot is held: wait for one to free, listening: the  holding; stopping
+                     lane's news, or each poll interval, reads its slots again
+    holding, idle    on taking the slot (LISTENing already): recover, claim.   calling; stopping
+                     With no job: recover if due, else wait for a NOTIFY, the
+                     poll interval or the recovery timer; claim again
     calling          the handler runs on the claimed job (pglane.call)         writing; exit 75
     writing          the outcome goes through the guarded complete()/fail();   calling; idle; pending;
                      on the fast path (no stop, no recovery due) fused with    stopping
@@ -273,7 +274,7 @@ class Worker:
             _log_session_end(exc, "reconnecting")
 
     async def _session(self, lane: Lane) -> None:
-        """Connect, deliver a pending outcome, take a slot (or wait as a standby), recover, LISTEN, drain."""
+        """Connect, deliver a pending outcome, LISTEN, take a slot (or wait as a standby), recover, drain."""
         try:
             session = LockSession.connect(self.dsn, lane.id, lane.slots, f"{lane.name} {self.name}",
                                           self.options.liveness)
@@ -283,11 +284,11 @@ class Worker:
             if self._pending is not None:
                 self._write(session, *self._pending)
             lane = self._lane = self._reload_lane(session, lane)
+            session.listen()  # before the standby's wait: the lane's news (more slots) must reach it
             if self._done() or not await self._take_slot(session, lane):
                 return
             if self._metrics is not None:
                 self._metrics.slot_held.set(1)
-            session.listen()
             self._recover(session)
             await self._drain(session)
         finally:
@@ -296,13 +297,18 @@ class Worker:
             session.release()
 
     async def _take_slot(self, session: LockSession, lane: Lane) -> bool:
-        """Take a free slot, or wait as a standby until one frees; False if asked to stop first."""
+        """Take a free slot, or wait as a standby until one frees (or the lane gets more slots: its news,
+        or each poll interval, reads the lane again); False if asked to stop first."""
         if not session.try_take():
             log.info("standby: all %s slot(s) of lane %s are held; waiting to take over", lane.slots, lane.name)
-            if not await session.wait_take(self._stopping):
+            if not await session.wait_take(self._stopping, lambda: self._standby_reread(session),
+                                           self.options.poll_interval):
                 return False
         log.info("holding slot %s of lane %s", session.slot, lane.name)
         return True
+
+    def _standby_reread(self, session: LockSession) -> None:
+        self._lane = self._reload_lane(session, self._lane)
 
     # ----- holding the slot: run the job held, else wait and claim ---------------------------
 

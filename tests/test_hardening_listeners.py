@@ -23,7 +23,7 @@ from psycopg.conninfo import make_conninfo
 import pglane
 import pglane.aio
 from pglane import queries, waiting
-from tests.conftest import claimed, take_slot, wait_until
+from tests.conftest import Ledger, Workers, claimed, slot_holder, take_slot, wait_until
 
 Conn = psycopg.Connection[dict[str, Any]]
 POLL = 30.0  # the waits' backup poll: only a notification can end a wait within a test's deadlines
@@ -218,3 +218,56 @@ def test_a_flood_of_notifications_costs_each_waiter_a_bounded_number_of_reads(
         complete(worker_session, lane, "ok")
     assert [w.outcome(PROMPT + waiting.WAKE_GAP) for w in waits] == ["ok"] * n
     assert max(w.ended_at for w in waits) - completed < PROMPT + waiting.WAKE_GAP
+# --- 5. a standby learns of new slots -----------------------------------------------------------------
+
+def running_together(ledger: Ledger, first: int, second: int) -> bool:
+    """Job ``second``'s call started while job ``first``'s call ran (it started, and has not ended)."""
+    events = ledger.events()
+    starts = {job: t for event, job, _, t in events if event == "start"}
+    ends = {job for event, job, _, _ in events if event == "end"}
+    return first in starts and second in starts and first not in ends and starts[first] < starts[second]
+
+
+def holder_and_standby(conn: Conn, lane: str, workers: Workers, ledger: Ledger, *args: str) -> tuple[Any, Any, int]:
+    """Worker A holding the lane's one slot with a long call running, worker B waiting as a standby."""
+    long_call = pglane.enqueue(conn, lane, {"sleep": 60})
+    a = workers.start(lane, "tests.handlers:paid_call", *args)
+    wait_until(lambda: long_call in ledger.calls(), 20, "worker A's long call")
+    b = workers.start(lane, "tests.handlers:paid_call", *args)
+    wait_until(lambda: "standby" in Workers.log(b), 20, "worker B to wait as a standby")
+    return a, b, long_call
+
+
+def test_raising_slots_reaches_a_waiting_standby_at_once(conn: Conn, lane: str, workers: Workers,
+                                                         ledger: Ledger) -> None:
+    a, b, long_call = holder_and_standby(conn, lane, workers, ledger, "--poll-interval", "60")
+    second = pglane.enqueue(conn, lane, {"sleep": 0})
+    pglane.set_lane(conn, lane, slots=2)
+    wait_until(lambda: running_together(ledger, long_call, second), 3, "B to run the second job beside A's call")
+    assert "holding slot 2" in Workers.log(b)
+    assert len(slot_holder(conn, lane)) == 2 and a.poll() is None
+
+
+def test_a_standby_rereads_the_slots_on_its_own_when_no_notification_comes(conn: Conn, lane: str, workers: Workers,
+                                                                           ledger: Ledger) -> None:
+    _, b, long_call = holder_and_standby(conn, lane, workers, ledger, "--poll-interval", "1")
+    second = pglane.enqueue(conn, lane, {"sleep": 0})
+    conn.execute("UPDATE pglane.lanes SET slots = 2 WHERE name = %s", (lane,))  # no NOTIFY: the re-check finds it
+    wait_until(lambda: running_together(ledger, long_call, second), 5, "B to run the second job beside A's call")
+    assert "holding slot 2" in Workers.log(b)
+
+
+def test_a_strangers_junk_on_a_lanes_channel_is_ignored_by_its_worker(conn: Conn, lane: str, workers: Workers,
+                                                                      ledger: Ledger,
+                                                                      stranger: psycopg.Connection[Any]) -> None:
+    """The lane channel's notifications are untrusted too: only '' (a wake-up) and 'settings' (news) count;
+    anything else is ignored, logged once, and the worker serves on."""
+    worker = workers.start(lane, "tests.handlers:paid_call", "--poll-interval", "60")
+    wait_until(lambda: "holding slot" in Workers.log(worker), 20, "the worker's slot")
+    channel = f"pglane_{conn.execute(queries.LANES, {'name': lane}).fetchone()['id']}"  # type: ignore[index]
+    for payload in [*JUNK, "settings!", "SETTINGS"] * 20:
+        stranger.execute("SELECT pg_notify(%s, %s)", (channel, payload))
+    job = pglane.enqueue(conn, lane, {})
+    wait_until(lambda: job in ledger.calls(), PROMPT, "the worker to run a job after the junk")
+    wait_until(lambda: "ignored a notification on " + channel in Workers.log(worker), 10, "the worker's note")
+    assert Workers.log(worker).count("ignored a notification") == 1 and worker.poll() is None
