@@ -19,38 +19,40 @@
 -- effort: that stalls its attempts' recovery (shown as a squatter on the slot it must also hold) and
 -- never makes a live claimer look gone.
 
--- mark_time: the time a mark stands for (microseconds since the epoch, exact).
+-- mark_time: the time a mark stands for (microseconds since the epoch, exact). No SET clause, so that
+-- the claim inlines it (a function with one costs a GUC save and restore per call); it is called
+-- with the search_path pinned by the caller's own SET (claim_impl, the views' definer functions).
 CREATE OR REPLACE FUNCTION pglane.mark_time(p_mark bigint) RETURNS timestamptz
 LANGUAGE sql IMMUTABLE
-SET search_path = pg_catalog, pg_temp
 AS $$
     SELECT 'epoch'::timestamptz + p_mark * interval '1 microsecond';
 $$;
 
--- session_mark: this session's mark, taken now if it has none. Runs inside the claim.
+-- session_mark: this session's mark, taken now if it has none. Runs inside the claim, on every claim:
+-- no SET clause (see mark_time), every name qualified; no role but the owner may call it.
 CREATE OR REPLACE FUNCTION pglane.session_mark() RETURNS bigint
 LANGUAGE plpgsql
-SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    v_mark bigint := substring(current_setting('pglane.session_mark', true) FROM '^([0-9]{1,18})$')::bigint;
+    v_mark bigint := pg_catalog.substring(pg_catalog.current_setting('pglane.session_mark', true),
+                                          '^([0-9]{1,18})$')::bigint;
 BEGIN
     -- Held already? The transaction-level try-lock succeeds only if the key is free or ours; the unlock
     -- then says whether we held it at session level; the re-lock gives it back. (Nested IFs: SQL does
     -- not promise to evaluate AND left to right.)
-    IF v_mark IS NOT NULL AND pg_try_advisory_xact_lock(v_mark) THEN
-        IF pg_advisory_unlock(v_mark) THEN
-            PERFORM pg_advisory_lock(v_mark);
+    IF v_mark IS NOT NULL AND pg_catalog.pg_try_advisory_xact_lock(v_mark) THEN
+        IF pg_catalog.pg_advisory_unlock(v_mark) THEN
+            PERFORM pg_catalog.pg_advisory_lock(v_mark);
             RETURN v_mark;
         END IF;
     END IF;
-    v_mark := (extract(epoch FROM clock_timestamp()) * 1000000)::bigint;
-    WHILE NOT pg_try_advisory_lock(v_mark) LOOP
+    v_mark := (extract(epoch FROM pg_catalog.clock_timestamp()) * 1000000)::bigint;
+    WHILE NOT pg_catalog.pg_try_advisory_lock(v_mark) LOOP
         v_mark := v_mark + 1;
     END LOOP;
     -- A session setting: kept when the claim's transaction commits; rolled back with it otherwise,
     -- when the next claim takes another mark (the lock of this one stays with the session, harmless).
-    PERFORM set_config('pglane.session_mark', v_mark::text, false);
+    PERFORM pg_catalog.set_config('pglane.session_mark', v_mark::text, false);
     RETURN v_mark;
 END $$;
 
