@@ -351,7 +351,7 @@ def test_lowering_slots_below_a_holder_says_what_happens_to_it(conn: Conn, lane:
     second = workers.start(lane, "tests.handlers:paid_call")
     wait_until(lambda: "holding slot 2" in Workers.log(second), 20, "the second worker's slot")
     note = set_lane(conn, lane, slots=1)
-    assert "slots 2 -> 1" in note and "slot 2 (pid" in note and "waits as a standby" in note
+    assert "slots 2 -> 1" in note and "slot 2 (server session pid" in note and "waits as a standby" in note
     conn.execute("SELECT pglane.enqueue(%s, '{\"hold_before\": 0}')", (lane,))
     wait_until(lambda: drained(conn, lane), 20, "the job to run in slot 1")
     wait_until(lambda: "standby" in Workers.log(second), 20, "the worker above the slots to wait as a standby")
