@@ -207,34 +207,38 @@ AS $$
                AND j.finished_at > now() - interval '5 minutes');
 $$;
 
+-- lane_queue: lane p_lane's queue, read through the queue index: how many jobs are queued, how many
+-- of them may run now (eligible), and the oldest of each. A function of its own so that it is planned
+-- for the lane it is given: a lane's few queued jobs are read through the index even where another
+-- lane holds most of the queue (a plan made for any lane reads the whole table; #30). Definer: it
+-- reads jobs as lane_status does.
+CREATE OR REPLACE FUNCTION pglane.lane_queue(p_lane text, OUT queued bigint, OUT eligible bigint,
+                                             OUT oldest_queued timestamptz, OUT oldest_eligible timestamptz)
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
+    SELECT count(*), count(*) FILTER (WHERE j.run_after <= now()), min(j.created_at),
+           min(greatest(j.created_at, j.run_after)) FILTER (WHERE j.run_after <= now())
+      FROM pglane.jobs j WHERE j.lane = p_lane AND j.in_queue;
+$$;
+
 -- lane_status: every count of a lane without reading its history: queued and eligible through the
 -- queue index, running through the running attempts, failed and cancelled through their partial
 -- index, done from the tallies (above), the last 5 minutes' flow (lane_flow) only for a lane whose
 -- eligible jobs wait past the grace. It costs the lanes, the backlog, the running attempts and the
 -- failed and cancelled jobs (which a prune --include-failed bounds), never the done ones.
+-- Lane by lane (#30): each lane's counts and functions are LATERAL to its row of pglane.lanes, so a
+-- condition on `lane` (WHERE lane = ANY(...), as the operator's page asks for its fifty) selects the
+-- lanes first and only theirs are computed: a page costs its lanes, not every lane. The running
+-- attempts and the slot locks, bounded by the workers, are grouped once for all lanes. The per-lane
+-- function calls sit in OFFSET 0 subqueries so that each runs once per lane, however often the
+-- columns they give are read below (next_safe_action reads several twice).
 CREATE OR REPLACE VIEW pglane.lane_status AS
-WITH queue AS (
-    SELECT j.lane,
-           count(*) AS queued,
-           count(*) FILTER (WHERE j.run_after <= now()) AS eligible,
-           min(j.created_at) AS oldest_queued,
-           min(greatest(j.created_at, j.run_after)) FILTER (WHERE j.run_after <= now()) AS oldest_eligible
-      FROM pglane.jobs j
-     WHERE j.in_queue
-     GROUP BY j.lane
-), running AS (
+WITH running AS (
     SELECT j.lane, count(*) AS running
       FROM pglane.attempts a JOIN pglane.jobs j ON j.id = a.job_id
      WHERE a.status = 'running' AND j.status = 'running'
      GROUP BY j.lane
-), settled AS (
-    SELECT j.lane, count(*) FILTER (WHERE j.status = 'failed') AS failed,
-           count(*) FILTER (WHERE j.status = 'cancelled') AS cancelled
-      FROM pglane.jobs j
-     WHERE j.failed_or_cancelled
-     GROUP BY j.lane
-), tallies AS (
-    SELECT t.lane_id, sum(t.jobs)::bigint AS jobs FROM pglane.lane_tallies t GROUP BY t.lane_id
 ), attempts_now AS (
     SELECT ra.lane, count(*) FILTER (WHERE NOT ra.alive) AS orphaned,
            count(*) FILTER (WHERE ra.alive AND ra.past_lease) AS stuck
@@ -255,31 +259,35 @@ WITH queue AS (
            count(*) FILTER (WHERE ss.squatter) AS squatters
       FROM pglane.slot_sessions ss
      GROUP BY ss.lane_id
-), base AS MATERIALIZED (  -- materialized: each lane's flow (arrived, left) is read once
-    SELECT l.name AS lane, l.id AS lane_id, l.slots, pglane.lane_consumers(l.id, l.slots) AS consumers,
-           coalesce(q.queued, 0) AS queued, coalesce(q.eligible, 0) AS eligible,
-           coalesce(r.running, 0) AS running,
-           coalesce(t.jobs, 0) - coalesce(q.queued, 0) - coalesce(r.running, 0) - coalesce(st.failed, 0)
-               - coalesce(st.cancelled, 0) AS done,
-           coalesce(st.failed, 0) AS failed, coalesce(st.cancelled, 0) AS cancelled,
+), base AS (
+    SELECT l.name AS lane, l.id AS lane_id, l.slots, x.consumers,
+           q.queued, q.eligible, coalesce(r.running, 0) AS running,
+           t.jobs - q.queued - coalesce(r.running, 0) - st.failed - st.cancelled AS done,
+           st.failed, st.cancelled,
            now() - q.oldest_queued AS oldest_queued_age,
            now() - q.oldest_eligible AS oldest_eligible_age,
-           CASE WHEN q.eligible > 0 AND now() - q.oldest_eligible > l.waiting_grace
-                THEN (SELECT ARRAY[fl.arrived_5m, fl.left_5m] FROM pglane.lane_flow(l.name) fl) END AS flow,
+           CASE WHEN fl.arrived_5m IS NOT NULL THEN ARRAY[fl.arrived_5m, fl.left_5m] END AS flow,
            coalesce(an.orphaned, 0) AS orphaned, coalesce(an.stuck, 0) AS stuck,
            l.max_queued, l.waiting_grace, l.job_timeout, l.lease_timeout, l.max_attempts,
            coalesce(h.holders, '[]') AS holders, coalesce(h.squatters, 0) AS squatters, h.squatter_action,
-           l.takeover, f.in_flight, f.lost_attempt, f.lease_ends,
-           pglane.rate_text(l.rate_limit, l.rate_period) AS rate, pglane.rate_window_use(l.name) AS rate_window_used,
-           pglane.rate_next_start(l.name) AS rate_next_start_at
+           l.takeover, x.in_flight, x.lost_attempt, x.lease_ends,
+           pglane.rate_text(l.rate_limit, l.rate_period) AS rate, x.rate_window_used, x.rate_next_start_at
       FROM pglane.lanes l
-      LEFT JOIN queue q ON q.lane = l.name
+     CROSS JOIN LATERAL pglane.lane_queue(l.name) q
+     CROSS JOIN LATERAL (SELECT count(*) FILTER (WHERE j.status = 'failed') AS failed,
+                                count(*) FILTER (WHERE j.status = 'cancelled') AS cancelled
+                           FROM pglane.jobs j WHERE j.lane = l.name AND j.failed_or_cancelled) st
+     CROSS JOIN LATERAL (SELECT coalesce(sum(t.jobs), 0)::bigint AS jobs
+                           FROM pglane.lane_tallies t WHERE t.lane_id = l.id) t
+     CROSS JOIN LATERAL (SELECT pglane.lane_consumers(l.id, l.slots) AS consumers, f.in_flight, f.lost_attempt,
+                                f.lease_ends, pglane.rate_window_use(l.name) AS rate_window_used,
+                                pglane.rate_next_start(l.name) AS rate_next_start_at
+                           FROM pglane.in_flight(l.name) f OFFSET 0) x
+      LEFT JOIN LATERAL (SELECT fl.arrived_5m, fl.left_5m FROM pglane.lane_flow(l.name) fl
+                          WHERE q.eligible > 0 AND now() - q.oldest_eligible > l.waiting_grace OFFSET 0) fl ON true
       LEFT JOIN running r ON r.lane = l.name
-      LEFT JOIN settled st ON st.lane = l.name
-      LEFT JOIN tallies t ON t.lane_id = l.id
       LEFT JOIN attempts_now an ON an.lane = l.name
       LEFT JOIN holders h ON h.lane_id = l.id
-      LEFT JOIN LATERAL pglane.in_flight(l.name) f ON true
 )
 SELECT b.lane, b.slots, b.consumers, b.queued, b.running, b.done, b.failed, b.cancelled,
        b.oldest_queued_age, b.orphaned AS lost_workers, b.stuck, b.max_queued, b.max_attempts,

@@ -82,6 +82,7 @@ AFTER = f"""
     GRANT SELECT ON pglane.pruned_keys TO pglane_operator;
     GRANT EXECUTE ON FUNCTION pglane.notifications_skipped() TO {ROLES};
     GRANT INSERT (cost) ON pglane.jobs TO pglane_producer;
+    GRANT EXECUTE ON FUNCTION pglane.lane_queue(text) TO pglane_operator;
 """
 
 UNDO_BEFORE = """
@@ -104,6 +105,7 @@ UNDO_AFTER = f"""
     REVOKE INSERT (cost) ON pglane.jobs FROM pglane_producer;
     DROP FUNCTION pglane.notify(text, text), pglane.notifications_skipped();
     DROP SEQUENCE pglane.notifications_skipped;
+    DROP FUNCTION pglane.lane_queue(text);
 """
 
 
