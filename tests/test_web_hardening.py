@@ -326,6 +326,83 @@ def test_two_thousand_lanes_make_pages_of_fifty_with_working_next_links(
             n for n in every if n.startswith("l19")][50:100]
 
 
+PER_LANE_FUNCTIONS = ("pglane.lane_queue(text)", "pglane.in_flight(text)", "pglane.lane_consumers(integer, integer)",
+                      "pglane.rate_next_start(text)")
+
+
+def per_lane_calls(conn: Any, query: str, params: dict[str, Any] | None = None) -> dict[str, int]:
+    """How many times ``query`` calls each function lane_status calls once per lane it computes:
+    counted by PostgreSQL itself (track_functions = 'all', this transaction's counts)."""
+    def calls() -> dict[str, int]:  # this session's counts not yet sent to the statistics (so: a difference)
+        return {f: int(conn.execute("SELECT coalesce(pg_stat_get_xact_function_calls(%s::regprocedure), 0) AS n",
+                                    (f,)).fetchone()["n"]) for f in PER_LANE_FUNCTIONS}
+
+    with conn.transaction():
+        conn.execute("SET LOCAL track_functions = 'all'")
+        before = calls()
+        conn.execute(query, params).fetchall()
+        return {f: n - before[f] for f, n in calls().items()}
+
+
+def test_a_page_of_lanes_computes_its_lanes_only(conn: Any, lane: str) -> None:  # noqa: F811
+    """Without timing (#30): the lanes page's statement computes the statuses of the lanes it shows (51:
+    a page and the one telling whether there is a next), not of every lane, counted in function calls;
+    the queue of a lane that holds most jobs is not read for the others; the view read whole still
+    computes each lane once, and the page's rows equal the view's."""
+    from pglane.web.app import LANES_SHOWN
+    from pglane.web.queries import LANE_PAGE
+
+    seed(conn, jobs=5_000, lanes=2_000)
+    page = {"after": "", "prefix": "", "limit": LANES_SHOWN + 1}
+    assert per_lane_calls(conn, LANE_PAGE, page) == {f: LANES_SHOWN + 1 for f in PER_LANE_FUNCTIONS}
+    assert per_lane_calls(conn, LANE_PAGE, {**page, "after": "l1500"}) == {f: LANES_SHOWN + 1 for f in PER_LANE_FUNCTIONS}
+    assert per_lane_calls(conn, LANE_PAGE, {**page, "prefix": "l19"}) == {f: LANES_SHOWN + 1 for f in PER_LANE_FUNCTIONS}
+    assert per_lane_calls(conn, "SELECT * FROM pglane.lane_status") == {f: SEED_LANES + 1 for f in PER_LANE_FUNCTIONS}
+    # A page without the big lane reads none of its 5,000 queued jobs (the queue index, lane by lane).
+    with conn.transaction():
+        before = conn.execute("SELECT pg_stat_get_xact_tuples_fetched('pglane.jobs_queue'::regclass)"
+                              " + pg_stat_get_xact_tuples_returned('pglane.jobs'::regclass) AS n").fetchone()["n"]
+        conn.execute(LANE_PAGE, {**page, "after": "l1500"}).fetchall()
+        after = conn.execute("SELECT pg_stat_get_xact_tuples_fetched('pglane.jobs_queue'::regclass)"
+                             " + pg_stat_get_xact_tuples_returned('pglane.jobs'::regclass) AS n").fetchone()["n"]
+        assert after - before < 100, after - before
+    with conn.transaction():  # one now() for both
+        whole = {r["lane"]: r for r in conn.execute("SELECT * FROM pglane.lane_status").fetchall()}
+        shown = conn.execute(LANE_PAGE, page).fetchall()
+    assert [r["lane"] for r in shown] == sorted(whole)[:LANES_SHOWN + 1]
+    for row in shown:
+        assert row == whole[row["lane"]]
+    assert whole[lane]["queued"] == 5_000 and whole["l7"]["queued"] == 0
+
+
+def test_the_charts_of_a_long_queue_count_it_without_reading_its_jobs_one_by_one(
+    conn: Any, lane: str  # noqa: F811
+) -> None:
+    """The last hour of a lane with a backlog never tried (#30: 100,000 queued jobs took 1.9 s): such
+    jobs are counted by minute of enqueue in one pass, not expanded and joined to attempts, and the
+    depth they make is still exact."""
+    import json
+
+    from pglane.web.queries import LAST_HOUR
+
+    seed(conn, jobs=5_000, lanes=10)
+    pglane.enqueue(conn, lane, {"n": "tried"})
+    plan = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + LAST_HOUR, {"lanes": [lane, "l1"]}).fetchone()
+    plan = plan["QUERY PLAN"] if isinstance(plan["QUERY PLAN"], list) else json.loads(plan["QUERY PLAN"])
+
+    def nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        yield node
+        for child in node.get("Plans", []):
+            yield from nodes(child)
+
+    every = list(nodes(plan[0]["Plan"]))
+    recent = [n for n in every if n.get("CTE Name") == "recent" or n.get("Subplan Name") == "CTE recent"]
+    assert recent and all(n["Actual Rows"] * n["Actual Loops"] == 0 for n in recent), recent
+    rows = conn.execute(LAST_HOUR, {"lanes": [lane, "l1"]}).fetchall()
+    assert [r["depth"] for r in rows if r["lane"] == lane][-1] == 5_001
+    assert {r["depth"] for r in rows if r["lane"] == "l1"} == {0}
+
+
 @pytest.mark.skipif(not os.environ.get("PGLANE_WEB_MEASURE"), reason="a measurement: set PGLANE_WEB_MEASURE=1")
 def test_measure_page_times(operator_dsn: str, conn: Any, lane: str, tmp_path: Path) -> None:  # noqa: F811
     seed(conn)
