@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -54,27 +54,39 @@ def test_a_requeued_job_that_no_longer_fits_is_passed_over_and_says_what_to_do(c
     assert pglane.job_status(conn, costly)["waiting_for_worker"] is False
 
 
+def blocked_call(conn: Any, dsn: str, call: Callable[[Any], object], waits_in: str) -> Callable[[], object]:
+    """Run ``call`` on a connection of its own in a thread until it waits for a lock in a statement that
+    names ``waits_in``; returns what finishes it: its outcome (a value or the exception it raised)."""
+    outcome: list[object] = []
+
+    def run() -> None:
+        with pglane.connect(dsn) as other:
+            try:
+                outcome.append(call(other))
+            except BaseException as exc:
+                outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    wait_until(lambda: conn.execute("SELECT count(*) AS n FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                                    " AND query LIKE %s", (f"%{waits_in}%",)).fetchone()["n"] == 1, 10,
+               f"{waits_in} to wait for a lock")
+
+    def finished() -> object:
+        thread.join(10)
+        assert len(outcome) == 1, "the blocked call did not finish"
+        return outcome[0]
+
+    return finished
+
+
 def test_lowering_the_rate_waits_for_a_producers_insert_and_then_refuses(dsn: str, conn: Any, session: Any) -> None:
     lane = rate_lane(conn)
     producer = session(autocommit=False)
     job = pglane.enqueue(producer, lane, {}, cost=5)  # not committed yet
-    outcome: list[BaseException | str] = []
-
-    def lower() -> None:
-        with pglane.connect(dsn) as operator:
-            try:
-                outcome.append(pglane.set_lane(operator, lane, rate="2/s"))
-            except BaseException as exc:
-                outcome.append(exc)
-
-    thread = threading.Thread(target=lower)
-    thread.start()
-    wait_until(lambda: conn.execute("SELECT count(*) AS n FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                                    " AND query LIKE '%%set_lane%%'").fetchone()["n"] == 1, 10,
-               "set_lane to wait for the producer")
+    finished = blocked_call(conn, dsn, lambda c: pglane.set_lane(c, lane, rate="2/s"), "set_lane")
     producer.commit()
-    thread.join(10)
-    assert len(outcome) == 1 and isinstance(outcome[0], CostOverRate), outcome
+    assert isinstance(finished(), CostOverRate)
     assert pglane.job_status(conn, job)["status"] == "queued"
 
 
@@ -82,23 +94,9 @@ def test_an_enqueue_racing_a_lowered_rate_reads_the_new_rate(dsn: str, conn: Any
     lane = rate_lane(conn)
     operator = session(autocommit=False)
     pglane.set_lane(operator, lane, rate="2/s")  # not committed yet
-    outcome: list[BaseException | int | None] = []
-
-    def produce() -> None:
-        with pglane.connect(dsn) as producer:
-            try:
-                outcome.append(pglane.enqueue(producer, lane, {}, cost=5))
-            except BaseException as exc:
-                outcome.append(exc)
-
-    thread = threading.Thread(target=produce)
-    thread.start()
-    wait_until(lambda: conn.execute("SELECT count(*) AS n FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                                    " AND query LIKE '%%enqueue%%'").fetchone()["n"] == 1, 10,
-               "the enqueue to wait for the rate change")
+    finished = blocked_call(conn, dsn, lambda c: pglane.enqueue(c, lane, {}, cost=5), "enqueue")
     operator.commit()
-    thread.join(10)
-    assert len(outcome) == 1 and isinstance(outcome[0], CostOverRate), outcome
+    assert isinstance(finished(), CostOverRate)
     assert conn.execute("SELECT count(*) AS n FROM pglane.jobs").fetchone()["n"] == 0
 
 
