@@ -14,277 +14,192 @@
 
 -- claim_impl, complete_impl: the bodies of claim() and complete(), shared with complete_and_claim()
 -- so that the worker's fast path switches its search_path once per job, not three times. They run
--- only inside those SECURITY DEFINER functions: EXECUTE on them is granted to nobody. claim_impl
--- returns one row, all NULL when nothing is eligible (cheaper to call than a set-returning function).
--- rate_refusal: a rate-limited claim that found no room: no job, and when this slot's turn comes. The
--- slot waits for the start numbered like itself (seq counts starts), so that the lane's idle workers
--- wake at successive openings, not all at the first.
-CREATE OR REPLACE FUNCTION pglane.rate_refusal(r pglane.claimed, p_lane pglane.lanes, p_window bigint,
-                                              p_cost integer, p_slot integer, p_last_seq bigint, p_at timestamptz)
-RETURNS pglane.claimed LANGUAGE plpgsql AS $$
-BEGIN
-    r.job_id := NULL;
-    r.wait_reason := 'rate';
-    r.wait_seconds := greatest(0, extract(epoch FROM pglane.rate_wait(
-        p_lane.id, p_lane.rate_limit, p_lane.rate_period, p_window, p_cost,
-        (((p_slot - 1 - p_last_seq) % p_lane.slots + p_lane.slots) % p_lane.slots)::integer, p_at)
-        - clock_timestamp()));
-    RETURN r;
-END $$;
+-- only inside those SECURITY DEFINER functions: EXECUTE on them is granted to nobody (nor on the
+-- claim's steps below). claim_impl returns one row, all NULL when nothing is eligible (cheaper to call
+-- than a set-returning function).
+--
+-- The claim is four steps, each a function below, called by claim_impl in this order:
+--   1. claim_slot: the calling session holds a slot of the lane (PGL06 otherwise);
+--   2. admission: each policy the lane uses says yes, or no with when to ask again and why:
+--      lease_admission (a strict lane's room for one more call in flight) and rate_admission
+--      (lanes.sql: its rate limit). A lane calls only the policies it uses;
+--   3. pick: the one query that chooses the job;
+--   4. take: the job running, its attempt, the lane's gapless seq.
+-- A rate-limited lane's start is recorded between 3 and 4 (rate_start, lanes.sql): the exact check.
 
-CREATE OR REPLACE FUNCTION pglane.claim_impl(p_lane text, p_worker text) RETURNS pglane.claimed
+-- claim_slot: the slot of lane p_lane that the calling session holds; PGL06 if it holds none.
+-- The slot check, exact and local, without reading pg_locks: the transaction-level try-lock pins
+-- the slot (it succeeds only if the slot is free or ours), the session-level unlock then says
+-- whether we held it at session level, and the re-lock gives it back while the pin keeps every
+-- waiting standby out. A transaction-level or shared lock is not a slot. If the statement is
+-- cancelled between unlock and re-lock, the session has lost its slot and every later claim is
+-- refused: it fails safe. (Nested IFs: SQL does not promise to evaluate AND left to right.)
+-- The slot the session says it holds (setting pglane.slot, which pglane worker sets) is checked
+-- first: the setting only orders the checks, each check is the same exact one. Without it, a free
+-- slot below the session's own is pinned for the rest of the transaction and its unlock logs a
+-- WARNING ("you don't own a lock"): harmless, but noise on every claim of a degraded lane.
+CREATE OR REPLACE FUNCTION pglane.claim_slot(p_lane pglane.lanes) RETURNS integer
 LANGUAGE plpgsql AS $$
 DECLARE
-    v_lane    pglane.lanes;
-    v_slot    integer;
-    v_mine    integer;
-    v_try     integer;
-    v_in_flight bigint;
-    v_lease_ends timestamptz;
-    v_cost    integer;          -- a rate-limited lane's: the head job's cost
-    v_at      timestamptz;      -- a rate-limited lane's: when this start happens (after the counters lock)
-    v_window  bigint;           -- a rate-limited lane's: the cost started in the window ending at v_at
-    v_last_seq bigint;
-    v_expired bigint := 0;      -- a rate-limited lane's: the cost of the expired lane_starts deleted
-    v_pending timestamptz[];    -- a rate-limited lane's: the counters row's pending_starts, as locked
-    v_cut     timestamptz := '-infinity';  -- pending starts at or before it have left the window (purge)
-    v_look    record;           -- the lane, and a rate-limited lane's look (below), read in one statement
-    v_started boolean := false; -- a rate-limited lane's start already counted and recorded (the fast path)
-    v_mark    bigint;           -- the claiming session's mark (sessions.sql)
-    r         pglane.claimed;
+    v_mine integer := substring(current_setting('pglane.slot', true) FROM '^([0-9]{1,9})$')::integer;
+    v_try  integer;
 BEGIN
-    SELECT l AS lane,
-           CASE WHEN l.rate_limit IS NOT NULL THEN
-               (SELECT c FROM pglane.lane_counters c WHERE c.lane_id = l.id) END AS counters,
-           CASE WHEN l.rate_limit IS NOT NULL AND l.weighted THEN
-               (SELECT ARRAY[j.id, j.cost] FROM pglane.jobs j
-                 WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now() AND j.cost <= l.rate_limit
-                 ORDER BY j.created_at, j.id LIMIT 1) END AS head
-      INTO v_look FROM pglane.lanes l WHERE l.name = p_lane;
-    v_lane := v_look.lane;
-    IF NOT FOUND THEN
-        RAISE EXCEPTION USING ERRCODE = 'PGL01', MESSAGE = format('unknown lane %L', p_lane),
-            HINT = 'create it first: pglane lane create NAME';
-    END IF;
-    -- The slot check, exact and local, without reading pg_locks: the transaction-level try-lock pins
-    -- the slot (it succeeds only if the slot is free or ours), the session-level unlock then says
-    -- whether we held it at session level, and the re-lock gives it back while the pin keeps every
-    -- waiting standby out. A transaction-level or shared lock is not a slot. If the statement is
-    -- cancelled between unlock and re-lock, the session has lost its slot and every later claim is
-    -- refused: it fails safe. (Nested IFs: SQL does not promise to evaluate AND left to right.)
-    -- The slot the session says it holds (setting pglane.slot, which pglane worker sets) is checked
-    -- first: the setting only orders the checks, each check is the same exact one. Without it, a free
-    -- slot below the session's own is pinned for the rest of the transaction and its unlock logs a
-    -- WARNING ("you don't own a lock"): harmless, but noise on every claim of a degraded lane.
-    v_mine := substring(current_setting('pglane.slot', true) FROM '^([0-9]{1,9})$')::integer;
-    FOR i IN 0 .. v_lane.slots LOOP
+    FOR i IN 0 .. p_lane.slots LOOP
         v_try := CASE WHEN i = 0 THEN v_mine WHEN i IS DISTINCT FROM v_mine THEN i END;
-        CONTINUE WHEN v_try IS NULL OR v_try > v_lane.slots OR v_try < 1;
-        IF pg_try_advisory_xact_lock(v_lane.id, v_try) THEN
-            IF pg_advisory_unlock(v_lane.id, v_try) THEN
-                PERFORM pg_advisory_lock(v_lane.id, v_try);
-                v_slot := v_try;
-                EXIT;
+        CONTINUE WHEN v_try IS NULL OR v_try > p_lane.slots OR v_try < 1;
+        IF pg_try_advisory_xact_lock(p_lane.id, v_try) THEN
+            IF pg_advisory_unlock(p_lane.id, v_try) THEN
+                PERFORM pg_advisory_lock(p_lane.id, v_try);
+                RETURN v_try;
             END IF;
         END IF;
     END LOOP;
-    IF v_slot IS NULL THEN
-        RAISE EXCEPTION USING ERRCODE = 'PGL06',
-            MESSAGE = format('this session holds no slot of lane %L, so it may not claim', p_lane),
-            HINT = 'take a slot first with pg_advisory_lock(lane id, slot number), as pglane worker does';
-    END IF;
+    RAISE EXCEPTION USING ERRCODE = 'PGL06',
+        MESSAGE = format('this session holds no slot of lane %L, so it may not claim', p_lane.name),
+        HINT = 'take a slot first with pg_advisory_lock(lane id, slot number), as pglane worker does';
+END $$;
 
-    -- A strict lane (takeover after_lease): the calls possibly in flight (running attempts, and lost
-    -- ones whose lease runs on) never exceed its slots. Counted under the counters row lock, which
-    -- every claim of the lane takes anyway, so that two slots cannot both count the same room. With
-    -- no room, nothing is claimed and wait_seconds says when the first such lease ends.
-    IF v_lane.takeover = 'after_lease' THEN
-        PERFORM 1 FROM pglane.lane_counters c WHERE c.lane_id = v_lane.id FOR UPDATE;
-        SELECT f.in_flight, f.lease_ends INTO v_in_flight, v_lease_ends FROM pglane.in_flight(p_lane) f;
-        IF v_in_flight >= v_lane.slots THEN
-            r.wait_seconds := greatest(0, extract(epoch FROM v_lease_ends - now()));
-            r.wait_reason := 'lease';
-            RETURN r;
-        END IF;
+-- lease_admission: a strict lane (takeover after_lease): the calls possibly in flight (running
+-- attempts, and lost ones whose lease runs on) never exceed its slots. Counted under the counters row
+-- lock, which every claim of the lane takes anyway, so that two slots cannot both count the same room.
+-- With no room, nothing is claimed and wait_seconds says when the first such lease ends.
+CREATE OR REPLACE FUNCTION pglane.lease_admission(p_lane pglane.lanes,
+    OUT admit boolean, OUT wait_seconds double precision, OUT wait_reason text)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_in_flight  bigint;
+    v_lease_ends timestamptz;
+BEGIN
+    PERFORM 1 FROM pglane.lane_counters c WHERE c.lane_id = p_lane.id FOR UPDATE;
+    SELECT f.in_flight, f.lease_ends INTO v_in_flight, v_lease_ends FROM pglane.in_flight(p_lane.name) f;
+    admit := v_in_flight < p_lane.slots;
+    IF NOT admit THEN
+        wait_seconds := greatest(0, extract(epoch FROM v_lease_ends - now()));
+        wait_reason := 'lease';
     END IF;
+END $$;
 
-    IF v_lane.rate_limit IS NULL THEN
-        SELECT j.id INTO r.job_id
-          FROM pglane.jobs j
-         WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()
-         ORDER BY j.created_at, j.id
-         LIMIT 1
-           FOR UPDATE SKIP LOCKED;
-        IF NOT FOUND THEN
-            RETURN r;
-        END IF;
-        UPDATE pglane.lane_counters c
-           SET last_seq = c.last_seq + 1,
-               left_queue = c.left_queue + (v_lane.max_queued IS NOT NULL)::integer
-         WHERE c.lane_id = v_lane.id
-        RETURNING c.last_seq INTO r.seq;
-    ELSE
-        -- A rate-limited lane: a start of the head job's cost must fit the window ending now (exact:
-        -- under the counters row lock, which every claim of the lane takes, on the database clock read
-        -- after it). A job that costs more than the whole rate could never start, however a lane came
-        -- to hold it (a rate lowered, then a retry or a re-queue): it is passed over, never the head,
-        -- so it cannot wedge the lane, and job_status says what to do with it (views.sql). The look
-        -- (the statement that read the lane, above) saw the counters row without the lock: what it
-        -- sees can only be less than the committed use (starts it misses only add to it), so a refusal
-        -- made from it is right, and writes nothing, not even a row lock.
-        -- A start's record is a row of lane_starts, or (the fast path's) an entry of the counters row's
-        -- pending_starts, which the next slow claim moves into lane_starts: at most 31 of them, since
-        -- every 32nd start takes the slow path.
-        --
-        -- The fast path: a lane none of whose jobs ever cost more than 1 (lanes.weighted false: every
-        -- start costs 1) with room in plenty in the look (room for this start and one more, and no
-        -- purge due, below). Its job is locked first, as on an unlimited lane, then the counters row is
-        -- locked, checked again on the row as locked (an UPDATE re-reads a row another claim changed
-        -- meanwhile) and bumped, and the start recorded in it with its time read once the lock is
-        -- ours: one statement. If that check fails, the steps below decide, the job still held.
-        IF NOT v_lane.weighted AND (v_look.counters).window_cost + 2 <= v_lane.rate_limit
-           AND (v_look.counters).last_seq % 32 <> 31 THEN
-            SELECT j.id, j.cost INTO r.job_id, v_cost FROM pglane.jobs j
-             WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()
-             ORDER BY j.created_at, j.id LIMIT 1 FOR UPDATE SKIP LOCKED;
-            IF NOT FOUND THEN
-                RETURN r;
-            END IF;
-            UPDATE pglane.lane_counters c
-               SET last_seq = c.last_seq + 1,
-                   left_queue = c.left_queue + (v_lane.max_queued IS NOT NULL)::integer,
-                   window_cost = c.window_cost + 1,
-                   pending_starts = c.pending_starts || clock_timestamp()
-             WHERE c.lane_id = v_lane.id AND v_cost = 1 AND c.window_cost + 2 <= v_lane.rate_limit
-               AND c.last_seq % 32 <> 31
-            RETURNING c.last_seq, c.pending_starts[cardinality(c.pending_starts)] INTO r.seq, v_at;
-            v_started := FOUND;
-        END IF;
-        IF NOT v_started THEN
-            v_window := (v_look.counters).window_cost;
-            v_last_seq := (v_look.counters).last_seq;
-            IF r.job_id IS NULL THEN
-                -- The look's refusal. The window's expired starts are summed only when the counter
-                -- alone leaves no room (window_cost includes them: it can only overstate the use).
-                -- With no room, nothing is claimed; wait_seconds says when this slot's turn comes.
-                v_cost := CASE WHEN v_lane.weighted THEN v_look.head[2] ELSE 1 END;
-                IF v_cost IS NULL THEN  -- nothing eligible
-                    RETURN r;
-                END IF;
-                v_at := clock_timestamp();
-                IF v_window + v_cost > v_lane.rate_limit THEN
-                    v_window := v_window - coalesce((SELECT sum(s.cost) FROM pglane.lane_starts s
-                                                      WHERE s.lane_id = v_lane.id
-                                                        AND s.started_at <= v_at - v_lane.rate_period), 0)
-                                         - (SELECT count(*) FROM unnest((v_look.counters).pending_starts) p(at)
-                                             WHERE p.at <= v_at - v_lane.rate_period);
-                    IF v_window + v_cost > v_lane.rate_limit THEN
-                        IF NOT v_lane.weighted AND NOT EXISTS (
-                                SELECT FROM pglane.jobs j WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now()) THEN
-                            RETURN r;  -- nothing eligible: not held back by the rate
-                        END IF;
-                        RETURN pglane.rate_refusal(r, v_lane, v_window, v_cost, v_slot, v_last_seq, v_at);
-                    END IF;
-                END IF;
-                -- A weighted lane locks the counters row before its job is looked for (the job's
-                -- subquery refers to it, so it runs inside the join, once the lock is ours): a job
-                -- locked by a claim that is refused after all is never skipped for the one behind
-                -- it, so the lane starts in service order. The job looked for first is the head the
-                -- look saw, by its key (one index probe, not a second walk of the queue); only when
-                -- another claim took it meanwhile is the queue walked. An unweighted lane's job is
-                -- locked before the counters row, as on an unlimited lane.
-                IF v_lane.weighted THEN
-                    SELECT c.last_seq, c.window_cost, c.pending_starts, h.id, h.cost
-                      INTO v_last_seq, v_window, v_pending, r.job_id, v_cost
-                      FROM (SELECT c.lane_id, c.last_seq, c.window_cost, c.pending_starts FROM pglane.lane_counters c
-                             WHERE c.lane_id = v_lane.id FOR UPDATE) c
-                      LEFT JOIN LATERAL (SELECT j.id, j.cost FROM pglane.jobs j
-                                          WHERE j.id = v_look.head[1] AND j.in_queue AND j.run_after <= now()
-                                            AND c.last_seq >= 0
-                                            FOR UPDATE SKIP LOCKED) h ON true;
-                END IF;
-                IF r.job_id IS NULL THEN  -- unweighted, or the head the look saw was taken meanwhile
-                    SELECT j.id, j.cost INTO r.job_id, v_cost FROM pglane.jobs j
-                     WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now() AND j.cost <= v_lane.rate_limit
-                     ORDER BY j.created_at, j.id LIMIT 1 FOR UPDATE SKIP LOCKED;
-                END IF;
-            END IF;
-            IF NOT v_lane.weighted THEN
-                IF r.job_id IS NULL THEN
-                    RETURN r;
-                END IF;
-                SELECT c.last_seq, c.window_cost, c.pending_starts INTO v_last_seq, v_window, v_pending
-                  FROM pglane.lane_counters c WHERE c.lane_id = v_lane.id FOR UPDATE;
-            END IF;
-            -- Under the lock: the window at v_at. Its expired starts are deleted (and taken off the
-            -- counter in the bump below, or right here if the start is refused after all) when the
-            -- counter alone would leave no room for this start and one more like it, and at every
-            -- 32nd start: one DELETE for many, and the table stays as small as the window plus 32
-            -- starts. The expired pending starts (before v_cut) are counted out with them, and left
-            -- out when the bump moves the pending ones into lane_starts. Until then the counter
-            -- overstates the use, never understates it; whenever the answer depends on it, it is
-            -- exact. A start refused here leaves its job untouched, unlocked at commit.
-            v_at := clock_timestamp();  -- read once the lock is ours: no start can commit before it now
-            IF v_window + 2 * coalesce(v_cost, 0) > v_lane.rate_limit OR v_last_seq % 32 = 31 THEN
-                WITH gone AS (DELETE FROM pglane.lane_starts s
-                               WHERE s.lane_id = v_lane.id AND s.started_at <= v_at - v_lane.rate_period RETURNING s.cost)
-                SELECT coalesce(sum(gone.cost), 0) INTO v_expired FROM gone;
-                v_cut := v_at - v_lane.rate_period;
-                v_window := v_window - v_expired - (SELECT count(*) FROM unnest(v_pending) p(at) WHERE p.at <= v_cut);
-            END IF;
-            IF r.job_id IS NULL OR v_window + v_cost > v_lane.rate_limit THEN
-                IF v_expired > 0 THEN  -- the deleted starts leave the counter too (the lock is ours anyway)
-                    UPDATE pglane.lane_counters c SET window_cost = c.window_cost - v_expired WHERE c.lane_id = v_lane.id;
-                END IF;
-                IF r.job_id IS NULL THEN
-                    RETURN r;
-                END IF;
-                r.job_id := NULL;
-                RETURN pglane.rate_refusal(r, v_lane, v_window, v_cost, v_slot, v_last_seq, v_at);
-            END IF;
-            -- The start, and the pending ones still in the window, recorded in the statement that
-            -- bumps the counters (whose row is ours: the seq is the one after the locked last_seq).
-            r.seq := v_last_seq + 1;
-            WITH bumped AS (
-                UPDATE pglane.lane_counters c
-                   SET last_seq = r.seq,
-                       left_queue = c.left_queue + (v_lane.max_queued IS NOT NULL)::integer,
-                       window_cost = c.window_cost - v_expired + v_cost
-                                     - (SELECT count(*) FROM unnest(v_pending) p(at) WHERE p.at <= v_cut),
-                       pending_starts = '{}'
-                 WHERE c.lane_id = v_lane.id
-            )
-            INSERT INTO pglane.lane_starts (lane_id, seq, started_at, cost)
-            SELECT v_lane.id, v_last_seq - cardinality(v_pending) + p.i, p.at, 1
-              FROM unnest(v_pending) WITH ORDINALITY p(at, i) WHERE p.at > v_cut
-            UNION ALL
-            SELECT v_lane.id, r.seq, v_at, v_cost;
-            -- Already told: when this slot's next turn comes, if a start like this one would not fit
-            -- before then; the worker then stores this job's outcome without claiming again too soon.
-            IF v_window + 2 * v_cost > v_lane.rate_limit THEN
-                r.wait_reason := 'rate';
-                r.wait_seconds := greatest(0, extract(epoch FROM pglane.rate_wait(
-                    v_lane.id, v_lane.rate_limit, v_lane.rate_period, v_window + v_cost, v_cost,
-                    (((v_slot - 1 - r.seq) % v_lane.slots + v_lane.slots) % v_lane.slots)::integer, v_at)
-                    - clock_timestamp()));
-            END IF;
-        END IF;
-    END IF;
+-- queue_head and pick: the head of lane p_lane's queue, the job its next claim starts: the oldest
+-- (created_at, then id: service order) queued job whose run_after has come, passing over any job
+-- that costs more than p_max_cost (a rate-limited lane's whole rate: such a job could never start,
+-- however the lane came to hold it (a rate lowered, then a retry or a re-queue), so it is never the
+-- head and cannot wedge the lane; job_status says what to do with it, views.sql). queue_head reads it
+-- without a lock (a rate-limited lane's admission: what the head costs, whether there is one); pick
+-- takes it. The two are the same query, but for pick's lock: change them together.
+CREATE OR REPLACE FUNCTION pglane.queue_head(p_lane text, p_max_cost integer) RETURNS TABLE (id bigint, cost integer)
+LANGUAGE sql STABLE AS $$
+    SELECT j.id, j.cost FROM pglane.jobs j
+     WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now() AND j.cost <= p_max_cost
+     ORDER BY j.created_at, j.id LIMIT 1;
+$$;
 
+-- pick: SKIP LOCKED lets the lane's slots claim at once without waiting on each other's candidate
+-- rows: each takes the first job nobody holds. Returns NULLs when no job is eligible (a lock is taken
+-- only on a job found: an empty claim writes nothing).
+CREATE OR REPLACE FUNCTION pglane.pick(p_lane text, p_max_cost integer, OUT id bigint, OUT cost integer)
+LANGUAGE plpgsql AS $$
+BEGIN
+    SELECT j.id, j.cost INTO id, cost FROM pglane.jobs j
+     WHERE j.lane = p_lane AND j.in_queue AND j.run_after <= now() AND j.cost <= p_max_cost
+     ORDER BY j.created_at, j.id LIMIT 1
+       FOR UPDATE SKIP LOCKED;
+END $$;
+
+-- take: job p_job_id (picked, its row locked) starts at p_at for worker p_worker: the lane's seq is
+-- bumped under the counters row lock (gapless: a claim that takes no job bumps nothing; a
+-- rate-limited lane's start already recorded this seq in lane_starts, the lock held since, and hands
+-- in its window's change), the job becomes running and its attempt row records the claiming
+-- session's identity (pid and mark, sessions.sql), which recovery later checks. Lock order: the job,
+-- then the counters row, then the attempt.
+CREATE OR REPLACE FUNCTION pglane.take(p_lane pglane.lanes, p_job_id bigint, p_worker text, p_at timestamptz,
+                                       p_window_change bigint) RETURNS pglane.claimed
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_mark bigint;  -- the claiming session's mark (sessions.sql)
+    r      pglane.claimed;
+BEGIN
+    UPDATE pglane.lane_counters c
+       SET last_seq = c.last_seq + 1,
+           left_queue = c.left_queue + (p_lane.max_queued IS NOT NULL)::integer,
+           window_cost = c.window_cost + p_window_change
+     WHERE c.lane_id = p_lane.id
+    RETURNING c.last_seq INTO r.seq;
     UPDATE pglane.jobs j
-       SET status = 'running', started_at = coalesce(v_at, now()), attempts = j.attempts + 1, seq = r.seq
-     WHERE j.id = r.job_id
-    RETURNING j.attempts, j.payload, j.idempotency_key INTO r.attempt_number, r.payload, r.idempotency_key;
-
-    r.lease_expires_at := coalesce(v_at, now()) + v_lane.lease_timeout;
+       SET status = 'running', started_at = p_at, attempts = j.attempts + 1, seq = r.seq
+     WHERE j.id = p_job_id
+    RETURNING j.id, j.attempts, j.payload, j.idempotency_key INTO r.job_id, r.attempt_number, r.payload, r.idempotency_key;
+    r.lease_expires_at := p_at + p_lane.lease_timeout;
     v_mark := pglane.session_mark();  -- the claiming session's identity (sessions.sql)
     INSERT INTO pglane.attempts AS a
            (job_id, attempt_number, worker, backend_pid, backend_start, session_mark, started_at, lease_expires_at,
             seq, token)
     VALUES (r.job_id, r.attempt_number, p_worker, pg_backend_pid(), pglane.mark_time(v_mark), v_mark,
-            coalesce(v_at, now()), r.lease_expires_at, r.seq, gen_random_uuid())
+            p_at, r.lease_expires_at, r.seq, gen_random_uuid())
     RETURNING a.id, a.token INTO r.attempt_id, r.token;
-    r.lane := p_lane;
+    r.lane := p_lane.name;
+    RETURN r;
+END $$;
+
+-- claim_impl: the four steps. A policy's no ends the claim with its answer: no job, and when this slot
+-- may ask again (wait_seconds) and why (wait_reason); with nothing eligible, no answer at all.
+CREATE OR REPLACE FUNCTION pglane.claim_impl(p_lane text, p_worker text) RETURNS pglane.claimed
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_look  record;        -- the lane, and a rate-limited lane's counters row as last committed (no lock)
+    v_lane  pglane.lanes;
+    v_slot  integer;
+    v_say   record;        -- a policy's answer: admit, wait_seconds, wait_reason
+    v_job   record;        -- the job picked: id, cost
+    v_start record;        -- a rate-limited lane's start (rate_start): admit, at, window_change, wait_...
+    r       pglane.claimed;
+BEGIN
+    SELECT l AS lane, CASE WHEN l.rate_limit IS NOT NULL THEN
+               (SELECT c FROM pglane.lane_counters c WHERE c.lane_id = l.id) END AS counters
+      INTO v_look FROM pglane.lanes l WHERE l.name = p_lane;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'PGL01', MESSAGE = format('unknown lane %L', p_lane),
+            HINT = 'create it first: pglane lane create NAME';
+    END IF;
+    v_lane := v_look.lane;
+    v_slot := pglane.claim_slot(v_lane);                                             -- 1. the slot
+    IF v_lane.takeover = 'after_lease' THEN                                           -- 2. admission
+        v_say := pglane.lease_admission(v_lane);
+        IF NOT v_say.admit THEN
+            r.wait_seconds := v_say.wait_seconds;
+            r.wait_reason := v_say.wait_reason;
+            RETURN r;
+        END IF;
+    END IF;
+    IF v_lane.rate_limit IS NOT NULL THEN
+        v_say := pglane.rate_admission(v_lane, (v_look.counters).window_cost, (v_look.counters).last_seq, v_slot);
+        IF NOT v_say.admit THEN
+            r.wait_seconds := v_say.wait_seconds;
+            r.wait_reason := v_say.wait_reason;
+            RETURN r;
+        END IF;
+        -- A weighted lane locks the counters row before its job is picked: a job held by a claim that
+        -- is refused after all (rate_start) is never skipped for the one behind it, so the lane starts
+        -- in service order. Any other lane's job is locked first, then the counters row.
+        IF v_lane.weighted THEN
+            PERFORM 1 FROM pglane.lane_counters c WHERE c.lane_id = v_lane.id FOR UPDATE;
+        END IF;
+    END IF;
+    v_job := pglane.pick(p_lane, coalesce(v_lane.rate_limit, 2147483647));          -- 3. pick
+    IF v_job.id IS NULL THEN
+        RETURN r;
+    END IF;
+    IF v_lane.rate_limit IS NULL THEN                                                 -- 4. take
+        RETURN pglane.take(v_lane, v_job.id, p_worker, now(), 0);
+    END IF;
+    v_start := pglane.rate_start(v_lane, v_job.cost, v_slot);
+    IF NOT v_start.admit THEN  -- refused after all, under the lock: the job stays queued, unlocked at commit
+        r.wait_seconds := v_start.wait_seconds;
+        r.wait_reason := v_start.wait_reason;
+        RETURN r;
+    END IF;
+    r := pglane.take(v_lane, v_job.id, p_worker, v_start.at, v_start.window_change);
+    r.wait_seconds := v_start.wait_seconds;  -- already told when this slot's next turn comes (rate_start)
+    r.wait_reason := v_start.wait_reason;
     RETURN r;
 END $$;
 
