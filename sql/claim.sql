@@ -41,9 +41,14 @@
 CREATE OR REPLACE FUNCTION pglane.claim_slot(p_lane pglane.lanes) RETURNS integer
 LANGUAGE plpgsql AS $$
 DECLARE
-    v_mine integer := substring(current_setting('pglane.slot', true) FROM '^([0-9]{1,9})$')::integer;
+    v_said text := current_setting('pglane.slot', true);
+    v_mine integer;  -- the setting, if it is 1 to 9 ASCII digits (a caller's setting: untrusted)
     v_try  integer;
 BEGIN
+    -- Digits checked without a regular expression (one cost some 100,000 instructions per claim).
+    IF length(v_said) BETWEEN 1 AND 9 AND ltrim(v_said, '0123456789') = '' THEN
+        v_mine := v_said::integer;
+    END IF;
     FOR i IN 0 .. p_lane.slots LOOP
         v_try := CASE WHEN i = 0 THEN v_mine WHEN i IS DISTINCT FROM v_mine THEN i END;
         CONTINUE WHEN v_try IS NULL OR v_try > p_lane.slots OR v_try < 1;

@@ -34,9 +34,12 @@ CREATE OR REPLACE FUNCTION pglane.session_mark() RETURNS bigint
 LANGUAGE plpgsql
 AS $$
 DECLARE
-    v_mark bigint := pg_catalog.substring(pg_catalog.current_setting('pglane.session_mark', true),
-                                          '^([0-9]{1,18})$')::bigint;
+    v_said text := pg_catalog.current_setting('pglane.session_mark', true);
+    v_mark bigint;  -- the setting, if it is 1 to 18 ASCII digits (see claim_slot: no regular expression)
 BEGIN
+    IF pg_catalog.length(v_said) BETWEEN 1 AND 18 AND pg_catalog.ltrim(v_said, '0123456789') = '' THEN
+        v_mark := v_said::bigint;
+    END IF;
     -- Held already? The transaction-level try-lock succeeds only if the key is free or ours; the unlock
     -- then says whether we held it at session level; the re-lock gives it back. (Nested IFs: SQL does
     -- not promise to evaluate AND left to right.)
