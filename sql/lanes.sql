@@ -96,7 +96,7 @@ BEGIN
     END IF;
     IF NEW.rate_limit IS NULL AND OLD.rate_limit IS NOT NULL THEN  -- unlimited: no window to keep
         DELETE FROM pglane.lane_starts s WHERE s.lane_id = NEW.id;
-        UPDATE pglane.lane_counters c SET window_cost = 0 WHERE c.lane_id = NEW.id;
+        UPDATE pglane.lane_counters c SET window_cost = 0, pending_starts = '{}' WHERE c.lane_id = NEW.id;
     END IF;
     RETURN NEW;
 END $$;
@@ -196,9 +196,11 @@ $$;
 
 -- Rate limits. A lane with rate_limit N and rate_period P starts at most N units of cost (jobs.cost,
 -- 1 by default) in any window of length P, cluster-wide: the claim counts, on the database clock,
--- under the lane's counters row lock (rate_start). Each start is a row of lane_starts; each start also
--- deletes the rows that left the window, so the table holds the window and little more, and
--- lane_counters.window_cost is the sum of its rows' costs (rate_start and take keep it so).
+-- under the lane's counters row lock (rate_start). Each start is a row of lane_starts, but for the
+-- latest starts of rate_start's fast path, kept in the counters row (lane_counters.pending_starts, cost
+-- 1 each, at most 31) until the next slow start moves them; each slow start also deletes the rows that
+-- left the window, so the table holds the window and little more. lane_counters.window_cost is the sum
+-- of both (rate_start and take keep it so; lane_window_starts reads both places).
 
 -- parse_rate: '5/s', '60/min', '1000/h', '2/d', '100/10min' (a count before the unit multiplies it);
 -- NULL for 'none'. Raises PGL10 saying what is accepted.
@@ -240,7 +242,8 @@ AS $$
     END;
 $$;
 
--- lane_window_starts: lane p_lane_id's starts after p_since.
+-- lane_window_starts: lane p_lane_id's starts after p_since, wherever they are kept (lane_starts, or
+-- the counters row's pending_starts: cost 1, consecutive seqs ending at last_seq).
 CREATE OR REPLACE FUNCTION pglane.lane_window_starts(p_lane_id integer, p_since timestamptz,
                                                      OUT started_at timestamptz, OUT seq bigint, OUT cost integer)
 RETURNS SETOF record
@@ -248,7 +251,11 @@ LANGUAGE sql STABLE
 SET search_path = pg_catalog, pg_temp
 AS $$
     SELECT s.started_at, s.seq, s.cost FROM pglane.lane_starts s
-     WHERE s.lane_id = p_lane_id AND s.started_at > p_since;
+     WHERE s.lane_id = p_lane_id AND s.started_at > p_since
+    UNION ALL
+    SELECT p.at, c.last_seq - cardinality(c.pending_starts) + p.i, 1
+      FROM pglane.lane_counters c, unnest(c.pending_starts) WITH ORDINALITY p(at, i)
+     WHERE c.lane_id = p_lane_id AND p.at > p_since;
 $$;
 
 -- rate_wait: when a start of cost p_cost fits a lane's window (whose use is p_window at p_now) again
@@ -287,10 +294,11 @@ $$;
 -- costs the head job's cost (a weighted lane's: queue_head, claim.sql; any other's jobs all cost 1).
 -- p_window and p_last_seq are the counters row as the claim's first statement saw it, unlocked: its
 -- window_cost can only overstate the window's use at p_at by the starts that left it since the last
--- start (summed here only when the counter alone leaves no room), and understate it by the starts
--- committed since, which only add to it: a refusal made from it is right. A yes is checked again,
--- exactly, under the lock (rate_start). No with nothing eligible is no wait at all: the rate holds
--- nothing back. Else wait_seconds says when this slot's turn comes (rate_turn).
+-- slow start (rows of lane_starts or pending starts: summed here only when the counter alone leaves no
+-- room), and understate it by the starts committed since, which only add to it: a refusal made from
+-- it is right. A yes is checked again, exactly, under the lock (rate_start). No with nothing eligible
+-- is no wait at all: the rate holds nothing back. Else wait_seconds says when this slot's turn comes
+-- (rate_turn).
 CREATE OR REPLACE FUNCTION pglane.rate_admission(p_lane pglane.lanes, p_window bigint, p_last_seq bigint,
     p_slot integer, OUT admit boolean, OUT wait_seconds double precision, OUT wait_reason text)
 LANGUAGE plpgsql AS $$
@@ -309,7 +317,8 @@ BEGIN
     IF NOT admit THEN  -- the counter and the expired starts read in one statement: one snapshot
         SELECT c.window_cost - coalesce((SELECT sum(s.cost) FROM pglane.lane_starts s
                                           WHERE s.lane_id = c.lane_id AND s.started_at > '-infinity'
-                                            AND s.started_at <= (SELECT v_at - p_lane.rate_period)), 0),  -- rate_start
+                                            AND s.started_at <= (SELECT v_at - p_lane.rate_period)), 0)  -- rate_start
+                            - (SELECT count(*) FROM unnest(c.pending_starts) p(at) WHERE p.at <= v_at - p_lane.rate_period),
                c.last_seq
           INTO p_window, p_last_seq FROM pglane.lane_counters c WHERE c.lane_id = p_lane.id;
         admit := p_window + v_cost <= p_lane.rate_limit;
@@ -322,25 +331,46 @@ END $$;
 
 -- rate_start: a start of cost p_cost on limited lane p_lane, its job picked (and locked), recorded or
 -- refused: exact, under the counters row lock, which every claim of the lane takes, on the database
--- clock read after it (`at`: no start can commit before it now). The starts that left the window go
--- first (deleted, and taken off the counter: by take's bump, or here if the start is refused after
--- all), so the counter is the window's use. A start that fits is a row of lane_starts, with the seq
--- that take gives it (the one after the locked last_seq) and its cost added to the counter
--- (window_change, which take applies); if a start like it would not fit after it, wait_seconds
--- already says when this slot's next turn comes, and the worker stores this job's outcome without
--- claiming again too soon. A start refused here leaves its job untouched, unlocked at commit.
+-- clock read after it (`at`: no start can commit before it now). The counters row is written once,
+-- by take, with the seq it bumps: window_change and pending_starts (the row's new list) are its.
+--
+-- The fast path: a start of cost 1 for which the counter leaves room, for it and one more like it
+-- (the counter can only overstate the window's use: it still counts the starts that left the window
+-- since the last slow start), is appended to the counters row's pending_starts: no row of lane_starts
+-- written, none deleted, and no turn to tell (the next start fits too). At most 31 starts are pending:
+-- the 32nd, and every start the fast path cannot take, is a slow start.
+--
+-- A slow start: the pending starts become rows of lane_starts (consecutive seqs ending at the locked
+-- last_seq), then the rows that left the window go (deleted, and taken off the counter: by take, or
+-- here if the start is refused after all), so the counter is the window's use. A start that fits is a
+-- row of lane_starts, with the seq that take gives it (the one after the locked last_seq); if a start
+-- like it would not fit after it, wait_seconds already says when this slot's next turn comes, and the
+-- worker stores this job's outcome without claiming again too soon. A start refused here leaves its
+-- job untouched, unlocked at commit.
 CREATE OR REPLACE FUNCTION pglane.rate_start(p_lane pglane.lanes, p_cost integer, p_slot integer,
-    OUT admit boolean, OUT at timestamptz, OUT window_change bigint, OUT wait_seconds double precision,
-    OUT wait_reason text)
+    OUT admit boolean, OUT at timestamptz, OUT window_change bigint, OUT pending_starts timestamptz[],
+    OUT wait_seconds double precision, OUT wait_reason text)
 LANGUAGE plpgsql AS $$
 DECLARE
     v_seq     bigint;  -- this start's seq
     v_window  bigint;  -- the cost started in the window ending at `at`, this start left out
     v_expired bigint;  -- the cost of the starts that left the window, deleted now
 BEGIN
-    SELECT c.last_seq + 1, c.window_cost INTO v_seq, v_window
+    SELECT c.last_seq + 1, c.window_cost, c.pending_starts INTO v_seq, v_window, pending_starts
       FROM pglane.lane_counters c WHERE c.lane_id = p_lane.id FOR UPDATE;
     at := clock_timestamp();
+    IF p_cost = 1 AND v_window + 2 <= p_lane.rate_limit AND cardinality(pending_starts) < 31 THEN  -- fast
+        admit := true;
+        window_change := 1;
+        pending_starts := pending_starts || at;
+        RETURN;
+    END IF;
+    IF pending_starts <> '{}' THEN
+        INSERT INTO pglane.lane_starts (lane_id, seq, started_at, cost)
+        SELECT p_lane.id, v_seq - 1 - cardinality(pending_starts) + p.i, p.at, 1
+          FROM unnest(pending_starts) WITH ORDINALITY p(at, i);
+        pending_starts := '{}';
+    END IF;
     -- The cut is a subquery's value, which the planner cannot see: the plan is made once, not at every
     -- start (a custom plan would also look up the index's end, past the rows deleted before). Bounded
     -- on both sides, an unseen range is planned as a narrow one: an index scan, whatever the table holds.
@@ -351,10 +381,9 @@ BEGIN
     SELECT coalesce(sum(gone.cost), 0) INTO v_expired FROM gone;
     v_window := v_window - v_expired;
     admit := v_window + p_cost <= p_lane.rate_limit;
-    IF NOT admit THEN
-        IF v_expired > 0 THEN
-            UPDATE pglane.lane_counters c SET window_cost = c.window_cost - v_expired WHERE c.lane_id = p_lane.id;
-        END IF;
+    IF NOT admit THEN  -- the row as take would have left it, the start left out (if anything changed)
+        UPDATE pglane.lane_counters c SET window_cost = c.window_cost - v_expired, pending_starts = '{}'
+         WHERE c.lane_id = p_lane.id AND (v_expired > 0 OR c.pending_starts <> '{}');
         wait_reason := 'rate';
         wait_seconds := pglane.rate_turn(p_lane, v_window, p_cost, p_slot, v_seq - 1, at);
         RETURN;

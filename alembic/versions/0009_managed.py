@@ -21,9 +21,9 @@ Create Date: 2026-12-06
   counts (notifications_skipped) a wake-up past half the NOTIFY queue instead of failing the commit;
   a producer's plain INSERT may set cost, as the docs say.
 - The claim as four steps (#31): claim_slot, admission (lease_admission, rate_admission), pick,
-  take. A rate limit's starts are rows of lane_starts only: lane_counters.pending_starts goes (its
-  starts become rows first) with the claim's every-32nd-start cadence; each start deletes the starts
-  that left the window. rate_refusal goes (rate_turn, rate_start).
+  take. A rate-limited lane's start is recorded by rate_start, whose fast path keeps the latest in
+  lane_counters.pending_starts as 0008's claim did (take writes them with its seq bump; its
+  signature gains them). rate_refusal goes (rate_turn, rate_start).
 
 Downgrade restores 0008's text from alembic/frozen/0008/.
 """
@@ -73,14 +73,6 @@ BEFORE = """
     -- New signatures: dropped here, re-created by sql/, granted again below.
     DROP FUNCTION pglane.prune(interval, text, boolean);
     DROP FUNCTION pglane.prune_batch(interval, text, boolean, bigint, integer);
-    -- A rate limit's starts are rows of lane_starts only (#31): the claim's pending ones become rows.
-    INSERT INTO pglane.lane_starts (lane_id, seq, started_at, cost)
-    SELECT c.lane_id, c.last_seq - cardinality(c.pending_starts) + p.i, p.at, 1
-      FROM pglane.lane_counters c, unnest(c.pending_starts) WITH ORDINALITY p(at, i);
-    ALTER TABLE pglane.lane_counters DROP COLUMN pending_starts;
-    COMMENT ON TABLE pglane.lane_starts IS
-        'the starts of rate-limited lanes still inside their window (and those that left it since the'
-        ' lane''s last start); lane_counters.window_cost is the sum of their costs';
 """
 AFTER = f"""
     DROP FUNCTION pglane.session_alive(integer, timestamptz, integer, integer);
@@ -104,18 +96,10 @@ UNDO_BEFORE = """
                   pglane.keep_keys(pglane.jobs[], boolean, text, timestamptz), pglane.refuse_pruned_key(text, text);
     DROP FUNCTION pglane.claim_slot(pglane.lanes), pglane.lease_admission(pglane.lanes),
                   pglane.queue_head(text, integer), pglane.pick(text, integer),
-                  pglane.take(pglane.lanes, bigint, text, timestamptz, bigint),
+                  pglane.take(pglane.lanes, bigint, text, timestamptz, bigint, timestamptz[]),
                   pglane.rate_turn(pglane.lanes, bigint, integer, integer, bigint, timestamptz),
                   pglane.rate_admission(pglane.lanes, bigint, bigint, integer),
                   pglane.rate_start(pglane.lanes, integer, integer);
-    ALTER TABLE pglane.lane_counters ADD COLUMN pending_starts timestamptz[] NOT NULL DEFAULT '{}';
-    COMMENT ON COLUMN pglane.lane_counters.pending_starts IS
-        'the latest starts of cost 1 taken by the claim''s fast path, not yet rows of lane_starts (at most 31;'
-        ' the last one''s seq is last_seq, the ones before it consecutive): moved there by the next claim that'
-        ' takes the slow path, which every 32nd start does';
-    COMMENT ON TABLE pglane.lane_starts IS
-        'the starts of rate-limited lanes still inside their window (the latest may still be in'
-        ' lane_counters.pending_starts); lane_counters.window_cost is the sum of both';
 """
 UNDO_AFTER = f"""
     DROP FUNCTION pglane.session_alive(integer, timestamptz, bigint, integer, integer),
