@@ -31,8 +31,9 @@ def test_instructions_per_job_repeat_round_after_round(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind (Debian's package valgrind)")
 def test_a_rate_limit_is_counted_in_instructions_and_costs_the_server_something(tmp_path: Path) -> None:
-    """``python -m bench.rates --only instructions``: the generous lane records every start (a row of
-    lane_starts, the counter's bump), so it costs more than the unlimited lane, by a repeatable amount."""
+    """``python -m bench.rates --only instructions``: the generous lane records every start (in the
+    counters row's pending starts, moved into lane_starts every 32nd start), so it costs more than the
+    unlimited lane, by a repeatable amount."""
     out = tmp_path / "rates.json"
     assert rates.main(["--only", "instructions", "--ic-rounds", "2", "--ic-jobs", "40", "--json", str(out)]) == 0
     found = json.loads(out.read_text())["instructions"]
