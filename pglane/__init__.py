@@ -2,7 +2,7 @@
 
 A lane is a scarce capability with a fixed number of consumer slots cluster-wide (one by default),
 held by session advisory locks. Claims and completions are stored SQL functions; recovery is
-authorized by evidence from the database, never by a timer. See README.md and DESIGN.md.
+authorized by evidence from the database, never by a timer. See README.md and docs/design.md.
 """
 
 from .client import (

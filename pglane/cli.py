@@ -1,4 +1,4 @@
-"""The command line (DESIGN §7). It uses only the public API; every PglaneError becomes one line on
+"""The command line (docs/commands.md). It uses only the public API; every PglaneError becomes one line on
 stderr that says what was wrong and what to do, with exit status 1 (2 for usage and settings)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Timing rules: the four timeouts that must agree (DESIGN §6).
+"""Timing rules: the four timeouts that must agree (docs/design.md, "The four timeouts").
 
 - the lane's ``job_timeout``: the handler's budget; past it the attempt is ``timed_out``;
 - the lane's ``lease_timeout``: past it a still-connected holder is *stuck* (reported, never re-run);

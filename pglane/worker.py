@@ -1,6 +1,6 @@
 """The worker loop: hold a slot of one lane, claim, call the handler, write the outcome; survive the rest.
 
-Owns the sequence of one worker process (DESIGN §3); the call and its timeouts belong to pglane.call,
+Owns the sequence of one worker process (docs/design.md); the call and its timeouts belong to pglane.call,
 the slot session to pglane.slot. Its states, and where each one leads:
 
     state            what happens                                              leads to

@@ -1,4 +1,4 @@
-"""SIGKILL at every cut of the crash timeline (DESIGN §5), with real processes: the producer before
+"""SIGKILL at every cut of the crash timeline (docs/design.md), with real processes: the producer before
 and after its enqueue commits, the worker after the claim, after the paid call, after the output is
 stored. A new worker takes the slot each time; recovery is by evidence only."""
 
