@@ -32,28 +32,37 @@ SELECT h.lane_id, h.lane, h.slot, h.pid, h.mode, h.granted, s.usename::text AS r
   FROM pglane.slot_holders h
   LEFT JOIN pg_catalog.pg_stat_activity s ON s.pid = h.pid;
 
--- lane_status's counts, independent of the history (#19), and not a write nor a trigger more on the
--- claim/complete path: done is what is left of a lane's jobs once its queued and running ones (read
--- through the queue and running-attempt indexes: the backlog) and its failed and cancelled ones are
--- taken off. Failed and cancelled jobs are read through their own partial index (jobs_failed_or_cancelled,
--- keyed on the column failed_or_cancelled, which claim and complete leave false: a completion stays a
--- HOT update). That column is a plain one, written by the four functions that move a job into or out
--- of failed and cancelled (requeue_or_fail, cancel, retry, a late result in complete_impl), not a
--- generated one: PostgreSQL reads a generated column's expression again from its stored text for
--- every UPDATE statement, about 20,000 instructions each, two per job (bench.callgrind). A status
--- changed by hand must set it too; pglane.recount_tallies() sets it again from status everywhere.
--- How many jobs a lane holds is kept in pglane.lane_tallies by the
--- statement triggers below: an INSERT or DELETE statement adds its count per lane (a TRUNCATE empties
--- the tallies), so every writer is counted, pglane's functions and plain SQL alike; rows written with
--- triggers off (session_replication_role = replica) are not: pglane.recount_tallies() counts again.
--- A job made running by hand without a running attempt would read as done.
+-- lane_status's counts, independent of the history (#19, #31 point 7), and not a write nor a trigger
+-- more on the claim/complete path: done is what is left of a lane's jobs once its queued and running
+-- ones (read through the queue and running-attempt indexes: the backlog) and its failed and cancelled
+-- ones are taken off. How many jobs a lane holds, and how many of them are failed and cancelled, is
+-- kept in pglane.lane_tallies (jobs, failed, cancelled): an INSERT or DELETE statement adds its
+-- counts per lane (statement triggers; a TRUNCATE empties the tallies), so every writer is counted,
+-- pglane's functions and plain SQL alike. A job is counted failed (cancelled) while its column
+-- failed_or_cancelled is true and its status is failed (cancelled). That column is a plain one,
+-- written by the four functions that move a job into or out of failed and cancelled (requeue_or_fail,
+-- cancel, retry, a late result in complete_impl), not a generated one: PostgreSQL reads a generated
+-- column's expression again from its stored text for every UPDATE statement, about 20,000
+-- instructions each, two per job (bench.callgrind). The row trigger jobs_tally_update counts those
+-- moves: it is declared AFTER UPDATE OF failed_or_cancelled, so PostgreSQL fires it only for an UPDATE
+-- whose SET list names that column; claim and complete do not (they leave it false: a completion
+-- stays a HOT update), and for their UPDATEs the trigger costs a check of the statement's updated
+-- columns, the foreign key's row trigger (attempts.job_id) already fetching the old row for every
+-- UPDATE of jobs (bench.scale --only instructions: within noise). Not a statement trigger with a
+-- transition table: PostgreSQL refuses a column list there, and without one it would keep every row
+-- of every UPDATE of jobs, claim's and complete's included. A status changed by hand must set
+-- failed_or_cancelled in the same UPDATE (to its value, even unchanged: the SET list is what counts);
+-- rows written with triggers off (session_replication_role = replica), or a status changed without
+-- it, are not counted: pglane.recount_tallies() sets the column again from status everywhere and
+-- counts again. A job made running by hand without a running attempt would read as done.
 --
 -- A tally change is a row of its own (a delta), inserted, never an update of a shared row: so
 -- producers never wait on each other for it (a producer's open transaction locks nothing another
 -- needs). lane_status adds a lane's rows up; every 64th delta folds the lane's rows into one (rows
 -- another fold holds are skipped; at most one fold per transaction), so a lane keeps a few dozen rows,
 -- whatever its history.
-CREATE OR REPLACE FUNCTION pglane.tally(p_lane text, p_jobs bigint) RETURNS void
+CREATE OR REPLACE FUNCTION pglane.tally(p_lane text, p_jobs bigint, p_failed bigint, p_cancelled bigint)
+RETURNS void
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pglane, pg_temp
 AS $$
@@ -62,7 +71,8 @@ DECLARE
     v_shard bigint := nextval('pglane.lane_tally_shards');
 BEGIN
     SELECT l.id INTO v_lane FROM pglane.lanes l WHERE l.name = p_lane;
-    INSERT INTO pglane.lane_tallies (lane_id, shard, jobs) VALUES (v_lane, v_shard, p_jobs);
+    INSERT INTO pglane.lane_tallies (lane_id, shard, jobs, failed, cancelled)
+    VALUES (v_lane, v_shard, p_jobs, p_failed, p_cancelled);
     -- At most once per transaction: rows this transaction deleted stay in the way of its later reads.
     IF v_shard % 64 = 0 AND current_setting('pglane.tallies_folded', true) IS DISTINCT FROM txid_current()::text THEN
         PERFORM pglane.fold_tallies(v_lane);
@@ -80,19 +90,25 @@ AS $$
     ), gone AS (
         DELETE FROM pglane.lane_tallies t USING held h
          WHERE t.lane_id = p_lane_id AND t.shard = h.shard
-        RETURNING t.jobs
+        RETURNING t.jobs, t.failed, t.cancelled
     )
-    INSERT INTO pglane.lane_tallies (lane_id, shard, jobs)
-    SELECT p_lane_id, nextval('pglane.lane_tally_shards'), sum(g.jobs) FROM gone g HAVING count(*) > 0;
+    INSERT INTO pglane.lane_tallies (lane_id, shard, jobs, failed, cancelled)
+    SELECT p_lane_id, nextval('pglane.lane_tally_shards'), sum(g.jobs), sum(g.failed), sum(g.cancelled)
+      FROM gone g HAVING count(*) > 0;
 $$;
 
--- jobs_tally_insert, jobs_tally_delete: once per statement, per lane touched.
+-- jobs_tally_insert, jobs_tally_delete: once per statement, per lane touched. jobs_tally_update: once
+-- per row of an UPDATE that names failed_or_cancelled, for a row whose count changes.
 CREATE OR REPLACE FUNCTION pglane.jobs_tally_insert() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
 AS $$
 BEGIN
-    PERFORM pglane.tally(n.lane, n.jobs) FROM (SELECT j.lane, count(*) AS jobs FROM new_jobs j GROUP BY j.lane) n;
+    PERFORM pglane.tally(n.lane, n.jobs, n.failed, n.cancelled)
+       FROM (SELECT j.lane, count(*) AS jobs,
+                    count(*) FILTER (WHERE j.failed_or_cancelled AND j.status = 'failed') AS failed,
+                    count(*) FILTER (WHERE j.failed_or_cancelled AND j.status = 'cancelled') AS cancelled
+               FROM new_jobs j GROUP BY j.lane) n;
     RETURN NULL;
 END $$;
 
@@ -101,7 +117,32 @@ LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
 AS $$
 BEGIN
-    PERFORM pglane.tally(o.lane, -o.jobs) FROM (SELECT j.lane, count(*) AS jobs FROM old_jobs j GROUP BY j.lane) o;
+    PERFORM pglane.tally(o.lane, -o.jobs, -o.failed, -o.cancelled)
+       FROM (SELECT j.lane, count(*) AS jobs,
+                    count(*) FILTER (WHERE j.failed_or_cancelled AND j.status = 'failed') AS failed,
+                    count(*) FILTER (WHERE j.failed_or_cancelled AND j.status = 'cancelled') AS cancelled
+               FROM old_jobs j GROUP BY j.lane) o;
+    RETURN NULL;
+END $$;
+
+CREATE OR REPLACE FUNCTION pglane.jobs_tally_update() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
+DECLARE
+    v_failed    integer := (NEW.failed_or_cancelled AND NEW.status = 'failed')::integer
+                         - (OLD.failed_or_cancelled AND OLD.status = 'failed')::integer;
+    v_cancelled integer := (NEW.failed_or_cancelled AND NEW.status = 'cancelled')::integer
+                         - (OLD.failed_or_cancelled AND OLD.status = 'cancelled')::integer;
+BEGIN
+    IF NEW.lane IS DISTINCT FROM OLD.lane THEN  -- by hand only: the job moves its counts too
+        PERFORM pglane.tally(OLD.lane, -1, -(OLD.failed_or_cancelled AND OLD.status = 'failed')::integer,
+                             -(OLD.failed_or_cancelled AND OLD.status = 'cancelled')::integer);
+        PERFORM pglane.tally(NEW.lane, 1, (NEW.failed_or_cancelled AND NEW.status = 'failed')::integer,
+                             (NEW.failed_or_cancelled AND NEW.status = 'cancelled')::integer);
+    ELSIF v_failed <> 0 OR v_cancelled <> 0 THEN
+        PERFORM pglane.tally(NEW.lane, 0, v_failed, v_cancelled);
+    END IF;
     RETURN NULL;
 END $$;
 
@@ -122,14 +163,17 @@ DROP TRIGGER IF EXISTS jobs_tally_delete ON pglane.jobs;
 CREATE TRIGGER jobs_tally_delete AFTER DELETE ON pglane.jobs
     REFERENCING OLD TABLE AS old_jobs
     FOR EACH STATEMENT EXECUTE FUNCTION pglane.jobs_tally_delete();
+DROP TRIGGER IF EXISTS jobs_tally_update ON pglane.jobs;
+CREATE TRIGGER jobs_tally_update AFTER UPDATE OF failed_or_cancelled ON pglane.jobs
+    FOR EACH ROW EXECUTE FUNCTION pglane.jobs_tally_update();
 DROP TRIGGER IF EXISTS jobs_tally_truncate ON pglane.jobs;
 CREATE TRIGGER jobs_tally_truncate AFTER TRUNCATE ON pglane.jobs
     FOR EACH STATEMENT EXECUTE FUNCTION pglane.jobs_tally_truncate();
 
--- recount_tallies: count every lane's jobs again from the history (one full read, with writers to
--- pglane.jobs held off meanwhile), and set failed_or_cancelled again from status wherever the two
--- disagree: after rows were written with triggers off or statuses changed by hand. Returns the lanes
--- counted.
+-- recount_tallies: set failed_or_cancelled again from status wherever the two disagree, then count
+-- every lane's jobs, and its failed and cancelled ones, again from the history (one full read, with
+-- writers to pglane.jobs held off meanwhile): after rows were written with triggers off or statuses
+-- changed by hand. Returns the lanes counted.
 CREATE OR REPLACE FUNCTION pglane.recount_tallies() RETURNS integer
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
@@ -141,8 +185,10 @@ BEGIN
     UPDATE pglane.jobs j SET failed_or_cancelled = j.status IN ('failed', 'cancelled')
      WHERE j.failed_or_cancelled IS DISTINCT FROM (j.status IN ('failed', 'cancelled'));
     DELETE FROM pglane.lane_tallies;
-    INSERT INTO pglane.lane_tallies (lane_id, shard, jobs)
-    SELECT l.id, 0, count(*) FROM pglane.jobs j JOIN pglane.lanes l ON l.name = j.lane GROUP BY l.id;
+    INSERT INTO pglane.lane_tallies (lane_id, shard, jobs, failed, cancelled)
+    SELECT l.id, 0, count(*), count(*) FILTER (WHERE j.failed_or_cancelled AND j.status = 'failed'),
+           count(*) FILTER (WHERE j.failed_or_cancelled AND j.status = 'cancelled')
+      FROM pglane.jobs j JOIN pglane.lanes l ON l.name = j.lane GROUP BY l.id;
     GET DIAGNOSTICS v_lanes = ROW_COUNT;
     RETURN v_lanes;
 END $$;
@@ -189,23 +235,54 @@ END $$;
 -- queue (started, or cancelled while queued) -- the two sides of a backlog -- without reading older
 -- history and without an index kept on the claim/complete path for it: arrivals and starts are read
 -- by primary key from the first job and the first attempt of the last 5 minutes (first_id_since, from
--- 30 s earlier), cancels through jobs_failed_or_cancelled. A retried job's new start counts again.
--- Its cost follows the last 5 minutes' traffic of every lane (and this lane's failed and cancelled
--- jobs); lane_status asks for it only when it may advise on a growing backlog.
+-- 30 s earlier), cancels through jobs_failed_or_cancelled (lane, id), latest first. A retried job's
+-- new start counts again. Bounded (#31 point 7): it reads at most 5,000 jobs, 5,000 attempts (each
+-- with its job) and the lane's 1,000 latest failed or cancelled jobs, whatever the traffic and the
+-- history (the last, a read of scattered rows, is the one that follows the history). When more
+-- jobs or attempts than that (of all lanes) began in the last 5 minutes, it counts both sides over
+-- the shorter latest period that the last 5,000 of each cover (from the later of their first rows'
+-- times): fewer than 5 minutes' worth, but the same period for both, so that which side is larger --
+-- what the advice reads -- is still told. A cancel is missed when the lane holds 1,000 failed or
+-- cancelled jobs of higher id. lane_status asks for it only when it may advise on a growing backlog.
 CREATE OR REPLACE FUNCTION pglane.lane_flow(p_lane text, OUT arrived_5m bigint, OUT left_5m bigint)
-LANGUAGE sql STABLE SECURITY DEFINER
+LANGUAGE plpgsql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
 AS $$
-    SELECT (SELECT count(*) FROM pglane.jobs j
-             WHERE j.id >= pglane.first_id_since(false, now() - interval '5 minutes 30 seconds')
-               AND j.lane = p_lane AND j.created_at > now() - interval '5 minutes'),
-           (SELECT count(*) FROM pglane.attempts a JOIN pglane.jobs j ON j.id = a.job_id
-             WHERE a.id >= pglane.first_id_since(true, now() - interval '5 minutes 30 seconds')
-               AND a.started_at > now() - interval '5 minutes' AND j.lane = p_lane)
-         + (SELECT count(*) FROM pglane.jobs j
-             WHERE j.lane = p_lane AND j.failed_or_cancelled AND j.status = 'cancelled'
-               AND j.finished_at > now() - interval '5 minutes');
-$$;
+DECLARE
+    c_rows    constant integer := 5000;  -- jobs, and attempts
+    c_ended   constant integer := 1000;  -- the lane's failed and cancelled jobs
+    v_since   timestamptz := now() - interval '5 minutes';
+    v_job     bigint := pglane.first_id_since(false, now() - interval '5 minutes 30 seconds');
+    v_attempt bigint := pglane.first_id_since(true, now() - interval '5 minutes 30 seconds');
+    v_last    bigint;
+    v_at      timestamptz;
+BEGIN
+    SELECT max(j.id) INTO v_last FROM pglane.jobs j;
+    IF v_last - v_job >= c_rows THEN  -- busy: the last c_rows jobs, from the first one's time
+        v_job := v_last - c_rows + 1;
+        SELECT j.created_at INTO v_at FROM pglane.jobs j WHERE j.id >= v_job ORDER BY j.id LIMIT 1;
+        v_since := greatest(v_since, v_at);
+    END IF;
+    SELECT max(a.id) INTO v_last FROM pglane.attempts a;
+    IF v_last - v_attempt >= c_rows THEN
+        v_attempt := v_last - c_rows + 1;
+        SELECT a.started_at INTO v_at FROM pglane.attempts a WHERE a.id >= v_attempt ORDER BY a.id LIMIT 1;
+        v_since := greatest(v_since, v_at);
+    END IF;
+    -- ORDER BY id LIMIT: read by primary key from the first id, at most c_rows rows, whatever the plan.
+    SELECT count(*) INTO arrived_5m
+      FROM (SELECT j.lane, j.created_at FROM pglane.jobs j WHERE j.id >= v_job ORDER BY j.id LIMIT c_rows) j
+     WHERE j.lane = p_lane AND j.created_at >= v_since;
+    SELECT count(*) INTO left_5m
+      FROM (SELECT a.job_id FROM pglane.attempts a WHERE a.id >= v_attempt AND a.started_at >= v_since
+             ORDER BY a.id LIMIT c_rows) a
+      JOIN pglane.jobs j ON j.id = a.job_id
+     WHERE j.lane = p_lane;
+    left_5m := left_5m + (SELECT count(*)
+                            FROM (SELECT j.status, j.finished_at FROM pglane.jobs j
+                                   WHERE j.lane = p_lane AND j.failed_or_cancelled ORDER BY j.id DESC LIMIT c_ended) c
+                           WHERE c.status = 'cancelled' AND c.finished_at >= v_since);
+END $$;
 
 -- lane_queue: lane p_lane's queue, read through the queue index: how many jobs are queued, how many
 -- of them may run now (eligible), and the oldest of each. A function of its own so that it is planned
@@ -223,10 +300,9 @@ AS $$
 $$;
 
 -- lane_status: every count of a lane without reading its history: queued and eligible through the
--- queue index, running through the running attempts, failed and cancelled through their partial
--- index, done from the tallies (above), the last 5 minutes' flow (lane_flow) only for a lane whose
--- eligible jobs wait past the grace. It costs the lanes, the backlog, the running attempts and the
--- failed and cancelled jobs (which a prune --include-failed bounds), never the done ones.
+-- queue index, running through the running attempts, done, failed and cancelled from the tallies
+-- (above), the last 5 minutes' flow (lane_flow, bounded) only for a lane whose eligible jobs wait past
+-- the grace. It costs the lanes, the backlog and the running attempts, never the finished jobs.
 -- Lane by lane (#30): each lane's counts and functions are LATERAL to its row of pglane.lanes, so a
 -- condition on `lane` (WHERE lane = ANY(...), as the operator's page asks for its fifty) selects the
 -- lanes first and only theirs are computed: a page costs its lanes, not every lane. The running
@@ -262,8 +338,8 @@ WITH running AS (
 ), base AS (
     SELECT l.name AS lane, l.id AS lane_id, l.slots, x.consumers,
            q.queued, q.eligible, coalesce(r.running, 0) AS running,
-           t.jobs - q.queued - coalesce(r.running, 0) - st.failed - st.cancelled AS done,
-           st.failed, st.cancelled,
+           t.jobs - q.queued - coalesce(r.running, 0) - t.failed - t.cancelled AS done,
+           t.failed, t.cancelled,
            now() - q.oldest_queued AS oldest_queued_age,
            now() - q.oldest_eligible AS oldest_eligible_age,
            CASE WHEN fl.arrived_5m IS NOT NULL THEN ARRAY[fl.arrived_5m, fl.left_5m] END AS flow,
@@ -274,10 +350,8 @@ WITH running AS (
            pglane.rate_text(l.rate_limit, l.rate_period) AS rate, x.rate_window_used, x.rate_next_start_at
       FROM pglane.lanes l
      CROSS JOIN LATERAL pglane.lane_queue(l.name) q
-     CROSS JOIN LATERAL (SELECT count(*) FILTER (WHERE j.status = 'failed') AS failed,
-                                count(*) FILTER (WHERE j.status = 'cancelled') AS cancelled
-                           FROM pglane.jobs j WHERE j.lane = l.name AND j.failed_or_cancelled) st
-     CROSS JOIN LATERAL (SELECT coalesce(sum(t.jobs), 0)::bigint AS jobs
+     CROSS JOIN LATERAL (SELECT coalesce(sum(t.jobs), 0)::bigint AS jobs, coalesce(sum(t.failed), 0)::bigint AS failed,
+                                coalesce(sum(t.cancelled), 0)::bigint AS cancelled
                            FROM pglane.lane_tallies t WHERE t.lane_id = l.id) t
      CROSS JOIN LATERAL (SELECT pglane.lane_consumers(l.id, l.slots) AS consumers, f.in_flight, f.lost_attempt,
                                 f.lease_ends, pglane.rate_window_use(l.name) AS rate_window_used,

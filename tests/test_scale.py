@@ -316,6 +316,165 @@ def test_lane_status_counts_stay_exact_through_claims_failures_cancels_retries_a
     deep_queue(conn, "counted", 5, 0)
     check()
     assert flag_disagrees(conn) == 0
+    assert tallied(conn, "counted") == truth_failed(conn, "counted")
+
+
+def tallied(conn: Any, lane: str) -> dict[str, int]:
+    """The lane's failed and cancelled counts as lane_tallies holds them (what lane_status reads)."""
+    row = conn.execute("SELECT coalesce(sum(t.failed), 0) AS failed, coalesce(sum(t.cancelled), 0) AS cancelled"
+                       " FROM pglane.lane_tallies t JOIN pglane.lanes l ON l.id = t.lane_id WHERE l.name = %s",
+                       (lane,)).fetchone()
+    return {"failed": int(row["failed"]), "cancelled": int(row["cancelled"])}
+
+
+def truth_failed(conn: Any, lane: str) -> dict[str, int]:
+    return {k: v for k, v in truth(conn, lane).items() if k in ("failed", "cancelled")}
+
+
+def test_failed_and_cancelled_are_tallied_through_fail_cancel_retry_late_result_prune_and_recount(
+        conn: Any, session: Any) -> None:
+    """#31 point 7: failed and cancelled are kept in the tallies as done is (the row trigger on UPDATE
+    OF failed_or_cancelled, the statement triggers on INSERT and DELETE), exact at every step."""
+    pglane.create_lane(conn, "tallied", job_timeout=20, max_attempts=1, retry_backoff=0)
+    pglane.create_lane(conn, "other", job_timeout=20)
+    deep_queue(conn, "tallied", 40, 0)
+    deep_queue(conn, "other", 5, 0)
+    worker = session()
+    take_slot(worker, "tallied")
+
+    def check() -> None:
+        for name in ("tallied", "other"):
+            assert counts(conn, name) == truth(conn, name)
+            assert tallied(conn, name) == truth_failed(conn, name)
+
+    for _ in range(6):  # failed by the worker (one attempt each)
+        row = claim(worker, "tallied")
+        assert row is not None
+        assert worker.execute(queries.FAIL, (row["attempt_id"], "boom", False, row["token"])).fetchone()["fail"]
+    check()
+    assert tallied(conn, "tallied") == {"failed": 6, "cancelled": 0}
+    queued = [r["id"] for r in conn.execute("SELECT id FROM pglane.jobs WHERE lane = 'tallied' AND status = 'queued'"
+                                            " ORDER BY id LIMIT 8").fetchall()]
+    for job in queued:
+        assert pglane.cancel(conn, job)
+    check()
+    assert tallied(conn, "tallied") == {"failed": 6, "cancelled": 8}
+    failed = [r["id"] for r in conn.execute("SELECT id FROM pglane.jobs WHERE lane = 'tallied' AND status = 'failed'"
+                                            " ORDER BY id").fetchall()]
+    for job in (failed[0], queued[0]):  # retried: out of failed and cancelled, back in the queue
+        assert pglane.retry(conn, job)
+    check()
+    assert tallied(conn, "tallied") == {"failed": 5, "cancelled": 7}
+    # A lost attempt failed by recovery, then its late result: failed, then done.
+    row = claim(worker, "tallied")
+    assert row is not None
+    worker.execute(queries.RELEASE_SLOT, (lane_id(conn, "tallied"), 1))
+    assert pglane.recover(conn, "tallied") == 1
+    check()
+    assert tallied(conn, "tallied") == {"failed": 6, "cancelled": 7}
+    assert worker.execute(queries.COMPLETE, (row["attempt_id"], "null", row["token"])).fetchone()["complete"]
+    check()
+    assert tallied(conn, "tallied") == {"failed": 5, "cancelled": 7}
+    # A status changed by hand with failed_or_cancelled in the SET list is counted, even unchanged.
+    conn.execute("UPDATE pglane.jobs SET status = 'cancelled', failed_or_cancelled = true WHERE id = %s",
+                 (failed[1],))
+    check()
+    assert tallied(conn, "tallied") == {"failed": 4, "cancelled": 8}
+    # Prunes: failed and cancelled jobs deleted, plain and in batches.
+    conn.execute("UPDATE pglane.jobs SET finished_at = now() - interval '2 hours' WHERE id = ANY(%s)",
+                 (failed[2:4] + queued[1:3],))
+    assert pglane.prune(conn, 3600, include_failed=True) == 4
+    check()
+    conn.execute("UPDATE pglane.jobs SET finished_at = now() - interval '2 hours' WHERE finished_at IS NOT NULL")
+    assert pglane.prune(conn, 3600, batch=3, include_failed=True) > 0
+    check()
+    assert tallied(conn, "tallied") == {"failed": 0, "cancelled": 0}
+    # recount_tallies: the same counts again; and after a status changed without the column, the right ones.
+    for job in [r["id"] for r in conn.execute("SELECT id FROM pglane.jobs WHERE lane = 'tallied' AND status ="
+                                              " 'queued' ORDER BY id LIMIT 3").fetchall()]:
+        assert pglane.cancel(conn, job)
+    before = tallied(conn, "tallied")
+    conn.execute("SELECT pglane.recount_tallies()")
+    assert tallied(conn, "tallied") == before == {"failed": 0, "cancelled": 3}
+    conn.execute("UPDATE pglane.jobs SET status = 'failed', finished_at = now() WHERE lane = 'other'")
+    assert tallied(conn, "other") != truth_failed(conn, "other")  # the column was not written: not counted
+    conn.execute("SELECT pglane.recount_tallies()")
+    check()
+    assert tallied(conn, "other") == {"failed": 5, "cancelled": 0}
+
+
+def test_the_failed_and_cancelled_trigger_fires_for_fail_and_cancel_never_for_claim_and_complete(
+        conn: Any, session: Any) -> None:
+    """jobs_tally_update is declared AFTER UPDATE OF failed_or_cancelled: the claim's and the completion's
+    UPDATEs of jobs, which do not name that column, never fire it (here its function, in this test's
+    database only, counts its calls instead)."""
+    conn.execute("CREATE SEQUENCE pglane.test_fired")
+    conn.execute("CREATE OR REPLACE FUNCTION pglane.jobs_tally_update() RETURNS trigger LANGUAGE plpgsql AS"
+                 " $$ BEGIN PERFORM nextval('pglane.test_fired'); RETURN NULL; END $$")
+
+    def fired() -> int:
+        return int(conn.execute("SELECT last_value - 1 + is_called::int AS n FROM pglane.test_fired").fetchone()["n"])
+
+    lane = "once"
+    pglane.create_lane(conn, lane, max_attempts=1)
+    deep_queue(conn, lane, 12, 0)
+    worker = session()
+    take_slot(worker, lane)
+    row = claim(worker, lane)
+    for _ in range(5):  # claims and completions, plain and together
+        assert row is not None
+        assert worker.execute(queries.COMPLETE, (row["attempt_id"], "null", row["token"])).fetchone()["complete"]
+        row = claim(worker, lane)
+        assert row is not None
+        row = worker.execute(queries.COMPLETE_AND_CLAIM, (row["attempt_id"], "null", lane, "test",
+                                                          row["token"])).fetchone()
+    assert fired() == 0
+    assert row is not None
+    assert worker.execute(queries.FAIL, (row["attempt_id"], "boom", False, row["token"])).fetchone()["fail"]
+    job = conn.execute("SELECT id FROM pglane.jobs WHERE status = 'queued' ORDER BY id LIMIT 1").fetchone()["id"]
+    assert pglane.cancel(conn, job)
+    assert pglane.retry(conn, job)
+    assert pglane.job_status(conn, row["job_id"])["status"] == "failed"
+    assert fired() == 3  # the failure, the cancel and the retry
+
+
+def test_lane_status_reads_failed_and_cancelled_from_the_tallies_not_their_index(conn: Any, lane: str) -> None:
+    """Its plan (as the superuser sees it) reads lane_tallies and never jobs_failed_or_cancelled, with
+    that index holding most of the lane's jobs."""
+    deep_queue(conn, lane, 400, 0)
+    conn.execute("UPDATE pglane.jobs SET status = CASE WHEN id %% 2 = 0 THEN 'failed' ELSE 'cancelled' END,"
+                 " failed_or_cancelled = true, finished_at = now() WHERE lane = %s AND id %% 10 <> 0", (lane,))
+    conn.execute("ANALYZE pglane.jobs")
+    conn.execute("ANALYZE pglane.lane_tallies")
+    assert counts(conn, lane) == truth(conn, lane)
+    for query in ("SELECT * FROM pglane.lane_status", "SELECT * FROM pglane.lane_status WHERE lane = %s"):
+        plan = json.dumps(conn.execute("EXPLAIN (VERBOSE, FORMAT JSON) " + query,
+                                       (lane,) if "%s" in query else None).fetchone()["QUERY PLAN"])
+        assert "lane_tallies" in plan
+        assert "jobs_failed_or_cancelled" not in plan
+
+
+def test_lane_flow_reads_a_bounded_number_of_rows_when_the_last_five_minutes_were_busy(conn: Any) -> None:
+    """More than 5,000 jobs arrived in the last 5 minutes: lane_flow counts over the latest 5,000 (the
+    same period for both sides), not all of them."""
+    pglane.create_lane(conn, "busy")
+    pglane.create_lane(conn, "calm")
+    deep_queue(conn, "busy", 6000, 0)  # one transaction: one created_at
+    deep_queue(conn, "calm", 100, 0)
+    busy = conn.execute("SELECT * FROM pglane.lane_flow('busy')").fetchone()
+    calm = conn.execute("SELECT * FROM pglane.lane_flow('calm')").fetchone()
+    assert (busy["arrived_5m"], busy["left_5m"]) == (4900, 0)  # jobs 1,101 to 6,100: 4,900 of busy's
+    assert (calm["arrived_5m"], calm["left_5m"]) == (100, 0)
+    first = conn.execute("SELECT id FROM pglane.jobs WHERE lane = 'busy' ORDER BY id LIMIT 7").fetchall()
+    for r in first:  # the lane's first jobs, arrived before the latest 5,000: their cancels count
+        assert pglane.cancel(conn, r["id"])
+    assert conn.execute("SELECT * FROM pglane.lane_flow('busy')").fetchone()["left_5m"] == 7
+    # 995 later jobs failed: the latest 1,000 failed or cancelled jobs hold 5 of the 7 cancels.
+    conn.execute("UPDATE pglane.jobs SET status = 'failed', failed_or_cancelled = true, finished_at = now()"
+                 " WHERE id IN (SELECT id FROM pglane.jobs WHERE lane = 'busy' AND status = 'queued'"
+                 " ORDER BY id DESC LIMIT 995)")
+    assert conn.execute("SELECT * FROM pglane.lane_flow('busy')").fetchone()["left_5m"] == 5
+    assert counts(conn, "busy") == truth(conn, "busy")
 
 
 def test_producers_in_open_transactions_do_not_wait_on_each_other_for_the_counts(conn: Any, lane: str, dsn: str
@@ -435,3 +594,33 @@ def test_a_growing_backlog_is_told_from_the_last_five_minutes_alone(conn: Any, s
     flow = conn.execute("SELECT * FROM pglane.lane_flow(%s)", (lane,)).fetchone()
     assert (flow["arrived_5m"], flow["left_5m"]) == (40, 45)
     assert next(r for r in pglane.lane_status(conn) if r["lane"] == lane)["next_safe_action"] == "nothing to do"
+
+
+def test_failed_and_cancelled_are_counted_once_by_the_upgrade_and_kept_by_the_downgrade(dsn: str) -> None:
+    """A database at 0008 with failed and cancelled jobs: 0009 counts them into the tallies once, and
+    lane_status reads the same counts before the upgrade, after it and after a downgrade."""
+    from pglane import schema
+
+    def status(c: Any) -> dict[str, int]:
+        row = c.execute("SELECT queued, done, failed, cancelled FROM pglane.lane_status WHERE lane = 'kept'").fetchone()
+        return dict(row)
+
+    schema.downgrade(dsn, "0008")
+    with psycopg.connect(dsn, autocommit=True, row_factory=psycopg.rows.dict_row) as c:
+        c.execute("INSERT INTO pglane.lanes (name) VALUES ('kept')")
+        c.execute("INSERT INTO pglane.jobs (lane, payload) SELECT 'kept', '{}' FROM generate_series(1, 20)")
+        for job in (1, 2, 3):
+            c.execute("SELECT pglane.cancel(%s)", (job,))
+        c.execute("UPDATE pglane.jobs SET status = 'failed', failed_or_cancelled = true, finished_at = now()"
+                  " WHERE id IN (4, 5)")
+        c.execute("UPDATE pglane.jobs SET status = 'done', finished_at = now() WHERE id = 6")
+        at_0008 = status(c)
+    assert at_0008 == {"queued": 14, "done": 1, "failed": 2, "cancelled": 3}
+    schema.upgrade(dsn)
+    with psycopg.connect(dsn, autocommit=True, row_factory=psycopg.rows.dict_row) as c:
+        assert status(c) == at_0008
+        c.execute("SELECT pglane.cancel(7)")
+    schema.downgrade(dsn, "0008")
+    with psycopg.connect(dsn, autocommit=True, row_factory=psycopg.rows.dict_row) as c:
+        assert status(c) == {"queued": 13, "done": 1, "failed": 2, "cancelled": 4}
+    schema.upgrade(dsn)

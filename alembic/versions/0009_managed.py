@@ -24,6 +24,11 @@ Create Date: 2026-12-06
   take. A rate-limited lane's start is recorded by rate_start, whose fast path keeps the latest in
   lane_counters.pending_starts as 0008's claim did (take writes them with its seq bump; its
   signature gains them). rate_refusal goes (rate_turn, rate_start).
+- lane_status's failed and cancelled counts from the tallies (#31 point 7): lane_tallies gains
+  failed and cancelled (counted here once, writers held off), kept by the statement triggers and the
+  row trigger jobs_tally_update (AFTER UPDATE OF failed_or_cancelled: claim and complete never fire
+  it); tally() gains the two counts. jobs_failed_or_cancelled is keyed (lane, id), so that lane_flow
+  reads a lane's latest cancels first, a bounded number.
 
 Downgrade restores 0008's text from alembic/frozen/0008/.
 """
@@ -73,6 +78,20 @@ BEFORE = """
     -- New signatures: dropped here, re-created by sql/, granted again below.
     DROP FUNCTION pglane.prune(interval, text, boolean);
     DROP FUNCTION pglane.prune_batch(interval, text, boolean, bigint, integer);
+    -- lane_status's failed and cancelled counts (#31 point 7): counted once here, writers held off.
+    LOCK TABLE pglane.jobs IN SHARE MODE;
+    ALTER TABLE pglane.lane_tallies ADD COLUMN failed bigint NOT NULL DEFAULT 0,
+        ADD COLUMN cancelled bigint NOT NULL DEFAULT 0;
+    COMMENT ON TABLE pglane.lane_tallies IS
+        'per lane, summed over its rows: how many jobs pglane.jobs holds, and how many of them are failed and'
+        ' cancelled (failed_or_cancelled true, and that status)';
+    INSERT INTO pglane.lane_tallies (lane_id, shard, jobs, failed, cancelled)
+    SELECT l.id, nextval('pglane.lane_tally_shards'), 0, count(*) FILTER (WHERE j.status = 'failed'),
+           count(*) FILTER (WHERE j.status = 'cancelled')
+      FROM pglane.jobs j JOIN pglane.lanes l ON l.name = j.lane WHERE j.failed_or_cancelled GROUP BY l.id;
+    DROP FUNCTION pglane.tally(text, bigint);
+    DROP INDEX pglane.jobs_failed_or_cancelled;
+    CREATE INDEX jobs_failed_or_cancelled ON pglane.jobs (lane, id) WHERE failed_or_cancelled;
 """
 AFTER = f"""
     DROP FUNCTION pglane.session_alive(integer, timestamptz, integer, integer);
@@ -100,6 +119,8 @@ UNDO_BEFORE = """
                   pglane.rate_turn(pglane.lanes, bigint, integer, integer, bigint, timestamptz),
                   pglane.rate_admission(pglane.lanes, bigint, bigint, integer),
                   pglane.rate_start(pglane.lanes, integer, integer);
+    DROP TRIGGER jobs_tally_update ON pglane.jobs;
+    DROP FUNCTION pglane.jobs_tally_update(), pglane.tally(text, bigint, bigint, bigint);
 """
 UNDO_AFTER = f"""
     DROP FUNCTION pglane.session_alive(integer, timestamptz, bigint, integer, integer),
@@ -117,6 +138,10 @@ UNDO_AFTER = f"""
     DROP FUNCTION pglane.notify(text, text), pglane.notifications_skipped();
     DROP SEQUENCE pglane.notifications_skipped;
     DROP FUNCTION pglane.lane_queue(text);
+    ALTER TABLE pglane.lane_tallies DROP COLUMN failed, DROP COLUMN cancelled;
+    COMMENT ON TABLE pglane.lane_tallies IS 'per lane, summed over its rows: how many jobs pglane.jobs holds';
+    DROP INDEX pglane.jobs_failed_or_cancelled;
+    CREATE INDEX jobs_failed_or_cancelled ON pglane.jobs (lane) WHERE failed_or_cancelled;
 """
 
 
