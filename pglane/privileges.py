@@ -14,8 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, LiteralString
 
-GROUPS = ("pglane_producer", "pglane_worker", "pglane_operator")
-
 ROLE_FACTS: LiteralString = (
     "SELECT current_user::text AS role,"
     " (SELECT r.rolsuper FROM pg_catalog.pg_roles r WHERE r.rolname = current_user) AS superuser,"

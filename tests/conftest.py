@@ -96,6 +96,12 @@ def session(dsn: str) -> Iterator[Callable[..., psycopg.Connection[dict[str, Any
         c.close()
 
 
+def console(dsn: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """The real console script (`python -m pglane ARGS`) against ``dsn`` (as PGLANE_DSN), run to its end."""
+    return subprocess.run([sys.executable, "-m", "pglane", *args], env={**os.environ, "PGLANE_DSN": dsn},
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False)
+
+
 def wait_until(check: Callable[[], Any], timeout: float = 10.0, what: str = "the condition") -> Any:
     """Poll ``check`` until it returns something truthy; fail the test after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

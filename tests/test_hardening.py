@@ -18,7 +18,7 @@ from pytest_postgresql import factories
 
 import pglane
 from pglane.errors import CostOverRate
-from tests.conftest import PG_CTL, _apply_migrations, claim, claimed, take_slot, wait_until
+from tests.conftest import PG_CTL, _apply_migrations, claim, claimed, console, take_slot, wait_until
 
 
 def rate_lane(conn: Any, rate: str = "5/s", **settings: Any) -> str:
@@ -204,16 +204,6 @@ def test_a_full_notify_queue_never_fails_an_enqueue_or_a_completion(small_queue:
         assert conn.execute("SELECT pglane.notifications_skipped() AS n").fetchone()["n"] == skipped
 
 
-def _cli(dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
-    import os
-    import sys
-
-    from tests.conftest import ROOT
-
-    return subprocess.run([sys.executable, "-m", "pglane", *args], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PGLANE_DSN": dsn}, timeout=60)
-
-
 @pytest.mark.parametrize("command", [("lane", "set", "c", "--rate", "1/s"), ("lane", "delete", "c", "--force"),
                                      ("cancel", "JOB")])
 def test_an_operator_command_behind_another_sessions_lock_stops_and_names_it(
@@ -224,7 +214,7 @@ def test_an_operator_command_behind_another_sessions_lock_stops_and_names_it(
     holder.execute("SET application_name = 'forgotten transaction'")
     pglane.enqueue(holder, lane, {})  # the lane row FOR KEY SHARE, until it ends
     holder.execute("SELECT 1 FROM pglane.jobs WHERE id = %s FOR UPDATE", (job,))
-    done = _cli(dsn, *[str(job) if part == "JOB" else part for part in command], "--lock-wait", "1s")
+    done = console(dsn, *[str(job) if part == "JOB" else part for part in command], "--lock-wait", "1s")
     assert done.returncode == 1, done
     line = done.stderr.strip()
     assert len(line.splitlines()) == 1 and "Traceback" not in line, line

@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from psycopg.conninfo import make_conninfo
 
 import pglane
 from pglane import queries
-from tests.conftest import ROOT, Ledger, Workers, claim, lane_id, take_slot, wait_until
+from tests.conftest import Ledger, Workers, claim, console, lane_id, take_slot, wait_until
 
 LOGINS = {"owner": None, "worker": "pglane_worker", "operator": "pglane_operator", "producer": "pglane_producer",
           "stranger": None}
@@ -48,8 +47,7 @@ class Managed:
 
     def cli(self, login: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         """The real console script, as ``login``."""
-        done = subprocess.run([sys.executable, "-m", "pglane", *args], capture_output=True, text=True, cwd=ROOT,
-                              env={**os.environ, "PGLANE_DSN": self.dsn(login)}, timeout=120)
+        done = console(self.dsn(login), *args)
         if check:
             assert done.returncode == 0, done.stderr
         return done

@@ -11,7 +11,7 @@ import pytest
 
 import pglane
 from pglane.errors import IdempotencyConflict, JobPruned
-from tests.conftest import claimed, take_slot
+from tests.conftest import claimed, console, take_slot
 
 
 def done_job(conn: Any, lane: str, key: str, payload: dict[str, Any] | None = None) -> int:
@@ -117,15 +117,9 @@ def test_deleting_a_lane_forgets_its_keys(conn: Any, lane: str) -> None:
 
 def test_the_console_script_says_pruned_with_exit_6_and_forgets_only_when_told(dsn: str, conn: Any) -> None:
     import json
-    import os
-    import subprocess
-    import sys
 
-    from tests.conftest import ROOT
-
-    def pglane_cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "pglane", *args], capture_output=True, text=True, cwd=ROOT,
-                              env={**os.environ, "PGLANE_DSN": dsn}, timeout=60)
+    def pglane_cli(*args: str) -> Any:
+        return console(dsn, *args)
 
     created = pglane_cli("lane", "create", "keys", "--key-retention", "2d", "--json")
     assert created.returncode == 0 and json.loads(created.stdout)["key-retention"] == 2 * 86400, created.stderr

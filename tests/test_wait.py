@@ -6,10 +6,7 @@ jobs, a pool as well as a connection, and what a completion costs where nobody w
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,7 +18,7 @@ from psycopg_pool import ConnectionPool
 
 import pglane
 from pglane import queries, waiting
-from tests.conftest import ROOT, Ledger, Workers, claimed, take_slot, terminate, wait_until
+from tests.conftest import Ledger, Workers, claimed, console, take_slot, terminate, wait_until
 
 Conn = psycopg.Connection[dict[str, Any]]
 FOREVER = 600.0  # a backup poll that never comes within a test: only a notification can end the wait
@@ -256,9 +253,7 @@ def test_a_thousand_waiting_threads_share_one_listening_session(dsn: str, conn: 
 
 # --- the command line ---------------------------------------------------------------------------------
 
-def cli(dsn: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pglane", *args], env={**os.environ, "PGLANE_DSN": dsn},
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False)
+cli = console  # the real console script
 
 
 def test_cli_enqueue_wait_prints_the_result_and_a_repeated_key_returns_it_without_a_second_call(
