@@ -97,31 +97,20 @@ AS $$
       FROM gone g HAVING count(*) > 0;
 $$;
 
--- jobs_tally_insert, jobs_tally_delete: once per statement, per lane touched. jobs_tally_update: once
+-- jobs_tally_rows (triggers jobs_tally_insert and jobs_tally_delete): once per statement, per lane touched. jobs_tally_update: once
 -- per row of an UPDATE that names failed_or_cancelled, for a row whose count changes.
-CREATE OR REPLACE FUNCTION pglane.jobs_tally_insert() RETURNS trigger
+CREATE OR REPLACE FUNCTION pglane.jobs_tally_rows() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
 AS $$
+DECLARE
+    v_sign integer := CASE TG_OP WHEN 'INSERT' THEN 1 ELSE -1 END;  -- rows inserted count in, deleted out
 BEGIN
-    PERFORM pglane.tally(n.lane, n.jobs, n.failed, n.cancelled)
+    PERFORM pglane.tally(c.lane, v_sign * c.jobs, v_sign * c.failed, v_sign * c.cancelled)
        FROM (SELECT j.lane, count(*) AS jobs,
                     count(*) FILTER (WHERE j.failed_or_cancelled AND j.status = 'failed') AS failed,
                     count(*) FILTER (WHERE j.failed_or_cancelled AND j.status = 'cancelled') AS cancelled
-               FROM new_jobs j GROUP BY j.lane) n;
-    RETURN NULL;
-END $$;
-
-CREATE OR REPLACE FUNCTION pglane.jobs_tally_delete() RETURNS trigger
-LANGUAGE plpgsql SECURITY DEFINER
-SET search_path = pg_catalog, pglane, pg_temp
-AS $$
-BEGIN
-    PERFORM pglane.tally(o.lane, -o.jobs, -o.failed, -o.cancelled)
-       FROM (SELECT j.lane, count(*) AS jobs,
-                    count(*) FILTER (WHERE j.failed_or_cancelled AND j.status = 'failed') AS failed,
-                    count(*) FILTER (WHERE j.failed_or_cancelled AND j.status = 'cancelled') AS cancelled
-               FROM old_jobs j GROUP BY j.lane) o;
+               FROM changed_jobs j GROUP BY j.lane) c;
     RETURN NULL;
 END $$;
 
@@ -157,12 +146,12 @@ END $$;
 
 DROP TRIGGER IF EXISTS jobs_tally_insert ON pglane.jobs;
 CREATE TRIGGER jobs_tally_insert AFTER INSERT ON pglane.jobs
-    REFERENCING NEW TABLE AS new_jobs
-    FOR EACH STATEMENT EXECUTE FUNCTION pglane.jobs_tally_insert();
+    REFERENCING NEW TABLE AS changed_jobs
+    FOR EACH STATEMENT EXECUTE FUNCTION pglane.jobs_tally_rows();
 DROP TRIGGER IF EXISTS jobs_tally_delete ON pglane.jobs;
 CREATE TRIGGER jobs_tally_delete AFTER DELETE ON pglane.jobs
-    REFERENCING OLD TABLE AS old_jobs
-    FOR EACH STATEMENT EXECUTE FUNCTION pglane.jobs_tally_delete();
+    REFERENCING OLD TABLE AS changed_jobs
+    FOR EACH STATEMENT EXECUTE FUNCTION pglane.jobs_tally_rows();
 DROP TRIGGER IF EXISTS jobs_tally_update ON pglane.jobs;
 CREATE TRIGGER jobs_tally_update AFTER UPDATE OF failed_or_cancelled ON pglane.jobs
     FOR EACH ROW EXECUTE FUNCTION pglane.jobs_tally_update();

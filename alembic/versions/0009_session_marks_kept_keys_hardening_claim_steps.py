@@ -94,6 +94,7 @@ BEFORE = """
     CREATE INDEX jobs_failed_or_cancelled ON pglane.jobs (lane, id) WHERE failed_or_cancelled;
 """
 AFTER = f"""
+    DROP FUNCTION pglane.jobs_tally_insert(), pglane.jobs_tally_delete();  -- one function now: jobs_tally_rows()
     DROP FUNCTION pglane.session_alive(integer, timestamptz, integer, integer);
     DROP FUNCTION pglane.may_write(uuid, uuid, integer, timestamptz);
     DROP FUNCTION pglane.rate_refusal(pglane.claimed, pglane.lanes, bigint, integer, integer, bigint, timestamptz);
@@ -123,6 +124,7 @@ UNDO_BEFORE = """
     DROP FUNCTION pglane.jobs_tally_update(), pglane.tally(text, bigint, bigint, bigint);
 """
 UNDO_AFTER = f"""
+    DROP FUNCTION pglane.jobs_tally_rows();
     DROP FUNCTION pglane.session_alive(integer, timestamptz, bigint, integer, integer),
                   pglane.may_write(uuid, uuid, integer, timestamptz, bigint),
                   pglane.is_claiming_session(integer, timestamptz, bigint),
