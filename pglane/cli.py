@@ -8,7 +8,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psycopg
@@ -140,6 +140,22 @@ def _parser() -> argparse.ArgumentParser:
 
     command("migrate", "create or upgrade pglane's schema (needs CREATE on the database and CREATEROLE)")
 
+    lane = _lane_commands(command)
+    _work_commands(command)
+    _operator_commands(command)
+    _local_commands(command)
+    for c in (*sub.choices.values(), *lane.choices.values()):  # --dsn after the command too; it wins
+        c.add_argument("--dsn", default=argparse.SUPPRESS, help=dsn_help)
+    for name, c in (*sub.choices.items(), *lane.choices.items()):
+        if name not in ("lane", "worker", "web", "demo", "server", "migrate"):
+            c.add_argument("--lock-wait", type=_seconds, default="10s",
+                           help="wait at most this long for a lock another session holds, then name that session "
+                           "and stop with nothing changed")
+    return p
+
+
+def _lane_commands(command: Callable[..., argparse.ArgumentParser]) -> Any:
+    """lane create|set|list|show|delete; returns the lane subcommands' parsers."""
     lane = command("lane", "manage lanes: create, set, list, show, delete", json_flag=False).add_subparsers(
         dest="lane_command", required=True, metavar="LANE_COMMAND", help="what to do with lanes")
     create = command("create", "create a lane; prints its settings", lane)
@@ -187,7 +203,11 @@ def _parser() -> argparse.ArgumentParser:
     gone.add_argument("name", help="the lane to delete")
     gone.add_argument("--force", action="store_true",
                       help="delete it even while it has queued or running jobs (says how many it drops)")
+    return lane
 
+
+def _work_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
+    """enqueue and worker: what producers and workers run."""
     enq = command("enqueue", "add a job; prints its id")
     enq.add_argument("lane", help="the lane to add the job to")
     enq.add_argument("payload", type=_payload, help="a JSON object or array")
@@ -225,6 +245,9 @@ def _parser() -> argparse.ArgumentParser:
     loud.add_argument("--quiet", "-q", action="store_true", help="log warnings and errors only")
     loud.add_argument("--verbose", "-v", action="store_true", help="log debugging detail too")
 
+
+def _operator_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
+    """status, jobs, show, retry, cancel, release-lease, recover, prune, check: what operators run."""
     command("status", "one row per lane, with the next safe action")
 
     js = command("jobs", "list jobs: queued ones first, in service order, then the newest")
@@ -271,6 +294,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="the workers' --timeout (default: each lane's job timeout + the default margin)")
     ck.add_argument("--liveness", type=_seconds, default="10s", help="the workers' --liveness")
 
+
+def _local_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
+    """web, demo, server: processes that run on this machine."""
     web = command("web", "the operator's page (needs pglane[web]); read-only unless --allow-actions",
                   json_flag=False)
     web.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1: this machine only)")
@@ -292,14 +318,6 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--data-dir", help="its data (default: $XDG_DATA_HOME/pglane/server, else "
                      "~/.local/share/pglane/server)")
     srv.add_argument("--port", type=int, help="the TCP port on 127.0.0.1 (start only; default 54329)")
-    for c in (*sub.choices.values(), *lane.choices.values()):  # --dsn after the command too; it wins
-        c.add_argument("--dsn", default=argparse.SUPPRESS, help=dsn_help)
-    for name, c in (*sub.choices.items(), *lane.choices.items()):
-        if name not in ("lane", "worker", "web", "demo", "server", "migrate"):
-            c.add_argument("--lock-wait", type=_seconds, default="10s",
-                           help="wait at most this long for a lock another session holds, then name that session "
-                           "and stop with nothing changed")
-    return p
 
 
 def _duration0(text: str) -> float:
