@@ -135,12 +135,11 @@ def test_prune_paces_itself_to_its_duty_and_refuses_a_bad_one(dsn: str, conn: An
     conn.execute("INSERT INTO pglane.jobs (lane, payload) SELECT %s, '{}' FROM generate_series(1, 6000)", (lane,))
     conn.execute("UPDATE pglane.jobs SET status = 'done', finished_at = now() - interval '1 day' WHERE lane = %s",
                  (lane,))
-    done = run("prune", "--older-than", "1h", "--batch", "500", "--duty", "0.25", dsn=dsn)
+    done = run("prune", "--older-than", "1h", "--batch", "500", "--duty", "0.25", "--json", dsn=dsn)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("pruned 6000 finished job(s) older than 1h, with their attempts;"
-                                    " their idempotency keys are remembered")
-    line = next(x for x in done.stderr.splitlines() if x.startswith("pruned 6000 jobs in "))
-    elapsed, busy = (float(x.split("s")[0]) for x in (line.split(" in ")[1], line.split("deleting for ")[1]))
-    assert 0.15 <= busy / elapsed <= 0.26, line  # paused three times as long as each batch took
+    report = json.loads(done.stdout)  # milliseconds, where the line for a person rounds to 10 ms
+    assert report["pruned"] == 6000, report
+    # Paused three times as long as each batch took; the last, empty batch has no pause after it.
+    assert 0.15 <= report["deleting_seconds"] / report["seconds"] <= 0.30, report
     bad = run("prune", "--older-than", "1h", "--duty", "0", dsn=dsn)
     assert bad.returncode == 2 and "not a share of time between 0 (exclusive) and 1" in bad.stderr
