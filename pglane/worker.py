@@ -1,7 +1,9 @@
 """The worker loop: hold a slot of one lane, claim, call the handler, write the outcome; survive the rest.
 
 Owns the sequence of one worker process (docs/design.md); the call and its timeouts belong to pglane.call,
-the slot session to pglane.slot. Its states, and where each one leads:
+the slot session to pglane.slot, the outcome not yet stored to pglane.outbox, what the last claim said
+about the next one to pglane.pacing, and when the process stops to pglane.lifetime. Its states, and
+where each one leads:
 
     state            what happens                                              leads to
     connecting       a session is opened (after a backoff, see below); an      standby; holding
@@ -10,7 +12,8 @@ the slot session to pglane.slot. Its states, and where each one leads:
                      lane's news, or each poll interval, reads its slots again
     holding, idle    on taking the slot (LISTENing already): recover, claim.   calling; stopping
                      With no job: recover if due, else wait for a NOTIFY, the
-                     poll interval or the recovery timer; claim again
+                     poll interval, the recovery timer or the claim's pacing
+                     (a lease's end, the rate limit's turn); claim again
     calling          the handler runs on the claimed job (pglane.call)         writing; exit 75
     writing          the outcome goes through the guarded complete()/fail();   calling; idle; pending;
                      on the fast path (no stop, no recovery due) fused with    stopping
@@ -29,8 +32,8 @@ more attempt, to deliver a pending outcome, and gives up if that fails too.
 Invariants:
 - a claim commits before the handler runs, and runs on the slot session (the database refuses others);
 - every outcome is written through the guarded pglane.complete()/fail(), so a late or zombie write can
-  never overwrite a newer attempt; an outcome that could not be written (the connection died) is kept
-  as ``_pending`` and delivered first after reconnecting;
+  never overwrite a newer attempt; an outcome that could not be written (the connection died) stays
+  in the outbox and is delivered first after reconnecting;
 - a stop never cuts a call off: the worker finishes the current call, writes its outcome, releases the
   slot and exits 0. If the database is unreachable then, it does not wait for it: it logs the statement
   that stores the outcome and exits 69 (EXIT_UNSTORED);
@@ -58,19 +61,17 @@ from dataclasses import dataclass
 from typing import Any, LiteralString
 
 import psycopg
-from psycopg import sql
 from tenacity import AsyncRetrying, RetryCallState, RetryError, retry_if_exception_type, wait_exponential
 
 from . import queries, timing
-from .call import EXIT_HUNG as EXIT_HUNG
-from .call import QUICK_CALL as QUICK_CALL
 from .call import Caller
-from .call import Watchdog as Watchdog
-from .errors import ConfigurationError, DatabaseUnavailable, NoSlotHeld, UnknownLane, first_line, translate
-from .errors import SlotLost as SlotLost
+from .errors import ConfigurationError, DatabaseUnavailable, NoSlotHeld, SlotLost, UnknownLane, first_line, translate
 from .handler import Handler, Outcome, Runner
 from .job import Claim
+from .lifetime import Lifetime
 from .metrics import Metrics
+from .outbox import Outbox, session_lost
+from .pacing import Pacing
 from .slot import LIVENESS, LockSession
 
 log = logging.getLogger("pglane.worker")
@@ -79,7 +80,6 @@ EXIT_OK = 0
 EXIT_UNSTORED = 69  # EX_UNAVAILABLE: stopped while the database was unreachable, an outcome unwritten
 SESSION_ENDS = (psycopg.Error, NoSlotHeld, DatabaseUnavailable)  # what ends a session: back to connecting
 READ_ONLY = "25006"  # read_only_sql_transaction: what a standby or a demoted primary answers a write
-EMPTY_CLAIM_GAP = 0.02  # at most 50 claims a second that find nothing, however many wake-ups come
 # Back-to-back jobs whose handler never suspends (an async handler with nothing to await) never give
 # the event loop a turn, and a stop signal is dispatched only on one: the drain yields at least this often.
 LOOP_TURN = 0.05
@@ -109,7 +109,13 @@ class Lane:
 
 
 class Worker:
+    """One slot of one lane, held in turn by sessions; its state is four values: the lane's settings as
+    last read (``_lane``), the last claim's pacing (pglane.pacing), the outcome not yet stored
+    (pglane.outbox) and the process's lifetime (pglane.lifetime)."""
+
     _caller: Caller  # makes the calls; made by main() once the lane's timeouts are known
+    _lane: Lane  # the lane's settings as last read (each session's start, and after its news)
+    _outbox: Outbox  # the outcome not yet stored; made by main() with the metrics
 
     def __init__(self, dsn: str, lane: str, handler: Handler, options: WorkerOptions | None = None) -> None:
         self.dsn = dsn
@@ -117,21 +123,14 @@ class Worker:
         self.options = options or WorkerOptions()
         self.name = self.options.name or f"{socket.gethostname()}:{os.getpid()}"
         self.runner = Runner(handler)
-        self.jobs_run = 0
-        self._stopping = asyncio.Event()
-        self._pending: tuple[Claim, Outcome] | None = None  # an outcome not yet written; see module doc
-        self._empty_claimed = 0.0  # when a claim last found nothing (time.monotonic())
-        # After an empty claim that said when this slot may start a job (a strict lane's lease, or a rate
-        # limit's opening): when, and whether it was the rate (then only a lane's news cuts the wait short).
-        self._claim_allowed: float | None = None
-        self._rate_limited = False
-        self._sent = 0.0  # when the last claiming statement was sent (time.monotonic())
-        self._started = 0.0  # time.monotonic(), as every timer of the worker
-        self._next_recover = 0.0
-        self._last_try = False  # the current session began after a stop request: if it fails, give up
+        o = self.options
+        self.lifetime = Lifetime(o.max_jobs, o.max_lifetime, o.recover_interval)
+        self._pacing = Pacing.first()
         self._metrics: Metrics | None = None
-        self._idle_session: LockSession | None = None  # the session waiting idle, for stop() to interrupt
-        self._lane: Lane  # the lane's settings as last read (each session's start, and after its news)
+
+    @property
+    def jobs_run(self) -> int:
+        return self.lifetime.jobs_run
 
     # ----- life cycle -----------------------------------------------------------------------
 
@@ -140,18 +139,13 @@ class Worker:
         return asyncio.run(self.main())
 
     def stop(self, reason: str = "stop requested") -> None:
-        if not self._stopping.is_set():
-            log.info("%s: finishing the current job, then releasing the slot and exiting", reason)
-            self._stopping.set()
-            if self._idle_session is not None:
-                self._idle_session.interrupt()
+        self.lifetime.stop(reason)
 
     async def main(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(ValueError, RuntimeError):  # not the main thread
                 loop.add_signal_handler(sig, self.stop, f"{signal.Signals(sig).name} received")
-        self._started = time.monotonic()
         lane = self._load_lane()
         from .pooler import refuse_transaction_pooler  # a direct or session-pooled DSN, before any slot
 
@@ -163,6 +157,7 @@ class Worker:
         if self.options.metrics_port is not None:
             self._metrics = Metrics(lane.name, self.options.metrics_port)
             refresher = asyncio.ensure_future(self._metrics.refresh_forever(self.dsn))
+        self._outbox = Outbox(self._metrics)
         self._caller = Caller(self.runner, self.dsn, lane.job_timeout, hard_timeout, lane.max_result_bytes,
                               self._metrics)
         log.info("worker %s for lane %s (%s slot(s), job timeout %gs, hard timeout %gs, lease %gs)",
@@ -177,22 +172,13 @@ class Worker:
             if self._metrics is not None:
                 self._metrics.close()
         log.info("worker %s stopped after %s job(s)", self.name, self.jobs_run)
-        if self._pending is not None:
-            claim, outcome = self._pending
+        if (unstored := self._outbox.held) is not None:
+            job = unstored.claim.job
             log.error("stopped before the database took the outcome of attempt %s of job %s: it is not stored; "
                       "recovery will mark the attempt lost, and then this statement stores it as a late result: %s",
-                      claim.job.attempt_id, claim.job.id, unstored_sql(claim, outcome))
+                      job.attempt_id, job.id, unstored.statement())
             return EXIT_UNSTORED
         return EXIT_OK
-
-    def _done(self) -> bool:
-        return self._stopping.is_set() or self._recycle_due()
-
-    def _recycle_due(self) -> bool:
-        o = self.options
-        if o.max_jobs is not None and self.jobs_run >= o.max_jobs:
-            return True
-        return o.max_lifetime is not None and time.monotonic() - self._started >= o.max_lifetime
 
     def _load_lane(self) -> Lane:
         try:
@@ -234,37 +220,34 @@ class Worker:
     # ----- sessions, one after another: connecting, with the backoff -------------------------
 
     async def _serve_until_stopped(self, lane: Lane) -> None:
-        """Sessions one after another until there is nothing left to do (module doc: connecting)."""
+        """Sessions one after another until there is nothing left to do (module doc: connecting). Asked
+        to stop, one more session is tried (to deliver an outcome still held); if it fails too, give up."""
+        last_try = False
+
+        def give_up(_: RetryCallState) -> bool:
+            return last_try or not self._work_left()
+
         while self._work_left():
             reconnecting = AsyncRetrying(  # begun afresh after a session that got a job done
                 retry=retry_if_exception_type(SESSION_ENDS), wait=wait_exponential(multiplier=0.1, max=5.0),
-                stop=self._give_up, sleep=self._nap, before_sleep=_log_retry)
+                stop=give_up, sleep=self.lifetime.nap, before_sleep=_log_retry)
             try:
                 async for attempt in reconnecting:
                     with attempt:
+                        if not self._work_left():
+                            return  # stopped during a backoff, with no outcome to deliver
+                        last_try = self.lifetime.stopping
                         await self._serve(lane)
             except RetryError as exc:
                 _log_session_end(exc.last_attempt.exception(), "not reconnecting: the worker is stopping")
                 return
 
     def _work_left(self) -> bool:
-        return not self._done() or self._pending is not None
-
-    def _give_up(self, _: RetryCallState) -> bool:
-        """After a failed session: it was the last try after a stop, or nothing is left to do."""
-        return self._last_try or not self._work_left()
-
-    async def _nap(self, seconds: float) -> None:
-        """The backoff's sleep: a stop request ends it at once."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stopping.wait(), seconds)
+        return not self.lifetime.done() or self._outbox.held is not None
 
     async def _serve(self, lane: Lane) -> None:
         """One session, until done. A database error ends it: raised for a backoff, unless the session
         got a job done (then it returns, and the next session begins at once, its backoff afresh)."""
-        if not self._work_left():
-            return  # stopped during a backoff, with no outcome to deliver
-        self._last_try = self._stopping.is_set()
         jobs = self.jobs_run
         try:
             await self._session(lane)
@@ -274,18 +257,17 @@ class Worker:
             _log_session_end(exc, "reconnecting")
 
     async def _session(self, lane: Lane) -> None:
-        """Connect, deliver a pending outcome, LISTEN, take a slot (or wait as a standby), recover, drain."""
+        """Connect, deliver an outcome still held, LISTEN, take a slot (or wait as a standby), recover, drain."""
         try:
             session = LockSession.connect(self.dsn, lane.id, lane.slots, f"{lane.name} {self.name}",
                                           self.options.liveness)
         except psycopg.OperationalError as exc:
             raise DatabaseUnavailable(first_line(exc)) from None
         try:
-            if self._pending is not None:
-                self._write(session, *self._pending)
+            self._outbox.store(session)
             lane = self._lane = self._reload_lane(session, lane)
             session.listen()  # before the standby's wait: the lane's news (more slots) must reach it
-            if self._done() or not await self._take_slot(session, lane):
+            if self.lifetime.done() or not await self._take_slot(session, lane):
                 return
             if self._metrics is not None:
                 self._metrics.slot_held.set(1)
@@ -301,7 +283,7 @@ class Worker:
         or each poll interval, reads the lane again); False if asked to stop first."""
         if not session.try_take():
             log.info("standby: all %s slot(s) of lane %s are held; waiting to take over", lane.slots, lane.name)
-            if not await session.wait_take(self._stopping, lambda: self._standby_reread(session),
+            if not await session.wait_take(self.lifetime.stop_requested, lambda: self._standby_reread(session),
                                            self.options.poll_interval):
                 return False
         log.info("holding slot %s of lane %s", session.slot, lane.name)
@@ -316,13 +298,13 @@ class Worker:
         """Holding the slot, until done: run the job held, else wait and claim (module doc)."""
         claim = self._claim(session)
         turn = time.monotonic() + LOOP_TURN
-        while claim is not None or not self._done():
+        while claim is not None or not self.lifetime.done():
             if session.news:  # pglane lane set changed the lane: its settings apply from here
                 self._lane = self._reload_lane(session, self._lane)
             if claim is not None:
                 outcome = await self._call(session, claim)
-                self.jobs_run += 1
-                claim = self._write_and_claim(session, claim, outcome)
+                self.lifetime.jobs_run += 1
+                claim = self._store_and_claim(session, claim, outcome)
                 if time.monotonic() >= turn:  # SIGTERM's handler runs on a turn of the loop: give it one
                     await asyncio.sleep(0)
                     turn = time.monotonic() + LOOP_TURN
@@ -335,16 +317,15 @@ class Worker:
 
     async def _wait_and_claim(self, session: LockSession) -> Claim | None:
         """Idle: recover the lane if due (when idle, and between jobs of a long busy spell), else wait for
-        a wake-up; then claim. None once done. Claims that find nothing are at most one per
-        EMPTY_CLAIM_GAP: a flood of NOTIFYs (any session may send them) costs that many claims, no more."""
-        if self._recovery_due():
+        a wake-up, no sooner than the pacing allows; then claim. None once done."""
+        if self.lifetime.recovery_due():
             self._recover(session)
         else:
             await self._idle(session)
-            if self._done():
+            if self.lifetime.done():
                 return None
-            if (gap := self._empty_claimed + EMPTY_CLAIM_GAP - time.monotonic()) > 0:
-                await self._nap(gap)
+            if (gap := self._pacing.next_claim_at() - time.monotonic()) > 0:
+                await self.lifetime.nap(gap)
         claim = self._claim(session)
         if claim is not None:
             # Only now may the wake-up be forgotten: the loop claims again before it waits, so a NOTIFY
@@ -354,153 +335,75 @@ class Worker:
         return claim
 
     async def _idle(self, session: LockSession) -> None:
-        """Wait for a NOTIFY, the poll interval, the next recovery, the end of life, or a stop."""
+        """Wait for a NOTIFY, the poll interval, the next recovery, the pacing's bound, the end of life,
+        or a stop."""
         now = time.monotonic()
-        timeout = min(self.options.poll_interval, max(0.0, self._next_recover - now))
-        if self._claim_allowed is not None:  # the last claim said when this slot may start a job
-            timeout = min(timeout, max(0.0, self._claim_allowed - now))
-        if self.options.max_lifetime is not None:
-            timeout = min(timeout, max(0.0, self._started + self.options.max_lifetime - now))
-        if not self._stopping.is_set():
-            self._idle_session = session
-            try:
-                if self._rate_limited:  # a new job changes nothing before the opening: sleep through
-                    await session.wait_for_news(timeout)
-                else:
-                    await session.wait_for_wake(timeout)
-            finally:
-                self._idle_session = None
-
-    def _recovery_due(self) -> bool:
-        return time.monotonic() >= self._next_recover
+        bounds = (self.options.poll_interval, self.lifetime.recover_in(now), self._pacing.wait_bound(now),
+                  self.lifetime.ends_in(now))
+        timeout = min(b for b in bounds if b is not None)
+        if self.lifetime.stopping:
+            return
+        with self.lifetime.interrupting(session):
+            if self._pacing.sleeps_through_jobs:
+                await session.wait_for_news(timeout)
+            else:
+                await session.wait_for_wake(timeout)
 
     def _recover(self, session: LockSession) -> None:
         row = session.execute(queries.RECOVER, (self.lane_name,))
         if row and row["recover"]:
             log.warning("recovered %s attempt(s) of lane %s whose worker was gone (marked lost)",
                         row["recover"], self.lane_name)
-        self._next_recover = time.monotonic() + self.options.recover_interval
+        self.lifetime.recovered()
 
-    # ----- claim and write ------------------------------------------------------------------
+    # ----- claim and store ------------------------------------------------------------------
 
     def _claim(self, session: LockSession) -> Claim | None:
-        return self._taken(self._claim_round_trip(session, queries.CLAIM_OR_WAIT, (self.lane_name, self.name)))
-
-    def _taken(self, row: dict[str, Any] | None) -> Claim | None:
-        """The claim a claiming statement's row holds, stamped with when that statement was sent (the
-        call's deadlines count from then). None for an empty claim, whose time is kept. Either way,
-        when this slot may start its next job, if the row says (wait_seconds: a strict lane's lease, or
-        a rate limit's opening for this slot: wait_reason 'rate')."""
-        claim = Claim.from_row(row, self._sent)
-        now = time.monotonic()
-        if claim is None:
-            self._empty_claimed = now
-        wait = (row or {}).get("wait_seconds")
-        self._claim_allowed = None if wait is None else now + wait
-        self._rate_limited = wait is not None and (row or {}).get("wait_reason") == "rate"
-        return claim
-
-    def _rate_turn_ahead(self) -> bool:
-        """The lane's rate limit said this slot's next start must wait: store the outcome alone."""
-        return self._rate_limited and self._claim_allowed is not None and time.monotonic() < self._claim_allowed
+        return self._claim_round_trip(session, queries.CLAIM_OR_WAIT, (self.lane_name, self.name))[0]
 
     def _claim_round_trip(self, session: LockSession, query: LiteralString,
-                          params: tuple[Any, ...]) -> dict[str, Any] | None:
-        """Run a statement that claims (claim, or complete_and_claim); its row. The one place that times
-        a claim (the claim latency metric) and turns the database's refusal of a claim into SlotLost."""
-        started = self._sent = time.monotonic()
+                          params: tuple[Any, ...]) -> tuple[Claim | None, dict[str, Any] | None]:
+        """Run a statement that claims (claim_or_wait, or complete_and_claim): the claim its row holds,
+        stamped with when the statement was sent (the call's deadlines count from then), and the row;
+        the row's pacing kept. The one place that times a claim (the claim latency metric) and turns the
+        database's refusal of a claim into SlotLost."""
+        sent = time.monotonic()
         try:
             row = session.execute(query, params)
         except psycopg.Error as exc:
             if isinstance(translate(exc), NoSlotHeld):
                 raise SlotLost(first_line(exc)) from None
             raise
+        now = time.monotonic()
         if self._metrics is not None:
-            self._metrics.claim_latency.observe(time.monotonic() - started)
-        return row
+            self._metrics.claim_latency.observe(now - sent)
+        claim = Claim.from_row(row, sent)
+        self._pacing = Pacing.from_row(row, claim is not None, now)
+        return claim, row
 
-    def _write_and_claim(self, session: LockSession, claim: Claim, outcome: Outcome) -> Claim | None:
-        """Write the outcome and claim the next job: one round trip for a result (the fast path). Only
-        written, nothing claimed, when the worker is done, a recovery is due (it runs first), or the
+    def _store_and_claim(self, session: LockSession, claim: Claim, outcome: Outcome) -> Claim | None:
+        """Store the outcome and claim the next job: one round trip for a result (the fast path). Only
+        stored, nothing claimed, when the worker is done, a recovery is due (it runs first), or the
         lane's rate limit said this slot's next start must wait."""
-        if self._done() or self._recovery_due() or self._rate_turn_ahead():
-            self._write(session, claim, outcome)
+        self._outbox.hold(claim, outcome)
+        if self.lifetime.done() or self.lifetime.recovery_due() or self._pacing.holds_start(time.monotonic()):
+            self._outbox.store(session)
             return None
         if outcome.result_json is None:
-            self._write(session, claim, outcome)
+            self._outbox.store(session)
             return self._claim(session)
-        self._pending = (claim, outcome)
         try:
-            row = self._claim_round_trip(session, queries.COMPLETE_AND_CLAIM,
-                                         (claim.job.attempt_id, outcome.result_json, self.lane_name, self.name,
-                                          claim.token))
+            claimed, row = self._claim_round_trip(
+                session, queries.COMPLETE_AND_CLAIM,
+                (claim.job.attempt_id, outcome.result_json, self.lane_name, self.name, claim.token))
         except psycopg.Error as exc:
-            if _session_lost(session, exc):
+            if session_lost(session, exc):
                 raise
-            self._write(session, claim, outcome)  # alone: the database refused the result, or the claim
+            self._outbox.store(session)  # alone: the database refused the result, or the claim
             return self._claim(session)
-        self._pending = None
         assert row is not None
-        self._written(claim, bool(row["completed"]), ok=True)
-        return self._taken(row)
-
-    def _write(self, session: LockSession, claim: Claim, outcome: Outcome) -> None:
-        """Write one outcome through the guarded functions. A result the database refuses (too large,
-        not storable, anything but a lost session) fails the attempt with the reason instead; an outcome
-        that could not be written because the session is gone stays pending for the next session."""
-        self._pending = (claim, outcome)
-        attempt, token = claim.job.attempt_id, claim.token
-        if outcome.result_json is not None:
-            try:
-                row = session.execute(queries.COMPLETE, (attempt, outcome.result_json, token))
-            except psycopg.Error as exc:
-                if _session_lost(session, exc):
-                    raise
-                outcome = Outcome(error=f"the result could not be stored: {first_line(exc)} (SQLSTATE "
-                                        f"{exc.sqlstate}; the call itself completed)")
-                self._pending = (claim, outcome)
-            else:
-                self._pending = None
-                self._written(claim, bool((row or {}).get("complete")), ok=True)
-                return
-        row = session.execute(queries.FAIL, (attempt, outcome.error, outcome.timed_out, token))
-        self._pending = None
-        self._written(claim, bool((row or {}).get("fail")), ok=False, timed_out=outcome.timed_out)
-
-    def _written(self, claim: Claim, accepted: bool, *, ok: bool, timed_out: bool = False) -> None:
-        """An outcome reached the database: counted, if the guard accepted it, as what was written (a
-        result the database could not store was written as a failure), and logged in one line a person
-        reads (lane, job, attempt, outcome, seconds since the claim); a warning if the guard refused it."""
-        job = claim.job
-        if not accepted:
-            log.warning("outcome of attempt %s of job %s refused: a newer attempt exists or the job was "
-                        "finished elsewhere; nothing was overwritten", job.attempt_id, job.id)
-            return
-        if self._metrics is not None:
-            (self._metrics.done if ok else self._metrics.failed).inc()
-        if log.isEnabledFor(logging.INFO):
-            log.info("lane %s job %s attempt %s (#%s) %s in %.3fs", job.lane, job.id, job.attempt_id,
-                     job.attempt_number, "done" if ok else "timed_out" if timed_out else "failed",
-                     time.monotonic() - claim.sent_at)
-
-
-def unstored_sql(claim: Claim, outcome: Outcome) -> str:
-    """The statement an operator runs to store an outcome the worker could not write (it carries the
-    attempt's token). Only ever logged, never executed by pglane; psycopg quotes the values as literals."""
-    attempt, token = claim.job.attempt_id, claim.token
-    if outcome.result_json is not None:
-        statement = sql.SQL("SELECT pglane.complete({}, {}::jsonb, {}::uuid)").format(attempt, outcome.result_json,
-                                                                                     token)
-    else:
-        statement = sql.SQL("SELECT pglane.fail({}, {}, {}, {}::uuid)").format(attempt, outcome.error or "",
-                                                                             outcome.timed_out, token)
-    return statement.as_string()
-
-
-def _session_lost(session: LockSession, exc: psycopg.Error) -> bool:
-    """Whether an error means the session is gone (closed, a connection error, the server ending it),
-    rather than the database refusing a statement on a session that lives on."""
-    return session.conn.closed or (exc.sqlstate or "08").startswith(("08", "57P"))
+        self._outbox.stored(bool(row["completed"]))
+        return claimed
 
 
 def _log_retry(state: RetryCallState) -> None:

@@ -486,7 +486,7 @@ def test_a_repeated_database_error_backs_off_up_to_5_s_and_a_stop_cuts_the_backo
 def test_the_logged_statement_for_an_unstored_failure_stores_its_text_exactly(conn: Any, lane: str) -> None:
     from pglane.handler import Outcome
     from pglane.job import Claim
-    from pglane.worker import unstored_sql
+    from pglane.outbox import Unstored
 
     pglane.enqueue(conn, lane, {})
     take_slot(conn, lane)
@@ -495,7 +495,7 @@ def test_the_logged_statement_for_an_unstored_failure_stores_its_text_exactly(co
     job = pglane.Job(id=row["job_id"], lane=lane, payload={}, attempt_id=row["attempt_id"], attempt_number=1,
                      seq=row["seq"], idempotency_key=None)
     error = "ValueError: it's C:\\temp\\x; DROP TABLE pglane.jobs; --"
-    statement = unstored_sql(Claim(job, str(row["token"]), sent_at=0.0), Outcome(error=error))
+    statement = Unstored(Claim(job, str(row["token"]), sent_at=0.0), Outcome(error=error)).statement()
     with pglane.connect(conn.info.dsn) as elsewhere:  # the token lets any session store it
         assert (elsewhere.execute(statement).fetchone() or {}).get("fail") is True
     assert pglane.attempts(conn, job.id)[0]["error"] == error
