@@ -4,12 +4,13 @@ Owns: locating ``sql/`` and ``alembic/`` (top-level folders in a checkout, ``pgl
 ``pglane/_alembic`` inside an installed wheel), running alembic against any libpq DSN, and the check
 that a database is at the version this code expects (alembic's head: never a number kept by hand).
 
-Invariants: only alembic migrations create or change pglane's objects. What a revision installs
-never changes once written: a revision names the sql/ files it applies (its ``APPLIES``) and reads
-each through ``sql_text``, which gives a frozen copy (``alembic/frozen/<revision>/<file>``) when a
-later revision has changed that file since. So sql/ always holds the head's text, and a revision
-that changes a file copies the previous text into the older revision's frozen folder in the same
-commit (tests/test_schema.py fails otherwise).
+Invariants: only alembic migrations create or change pglane's objects. sql/ holds one file per
+capability (each function, view and trigger in exactly one). What a revision installs never changes
+once written: a revision applies only the sql/ files it changes (its ``APPLIES``), and reads each
+through ``sql_text``, which gives a frozen copy (``alembic/frozen/<revision>/<file>``) when a later
+revision has changed that file since or the file has left sql/. So sql/ always holds the newest text
+of each file, and a revision that changes a file freezes, in the same commit, the previous text of
+only that file, under the revision that last applied it (tests/test_schema.py fails otherwise).
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
--- History: finished jobs are kept until an operator prunes them.
+-- History: finished jobs are kept until an operator prunes them. A pruned job's idempotency key is
+-- remembered for its lane's key_retention (keep_keys), and an enqueue that brings it again is refused
+-- (refuse_pruned_key, called by jobs_before_insert: jobs.sql).
 
 -- note_pruned: record that a prune deleted p_count jobs whose ids lie from p_first to p_last, so that
 -- a wait for one of them says it was pruned rather than unknown (pglane.await_job). One row per
@@ -35,6 +37,32 @@ AS $$
            finished_at = excluded.finished_at, forget_after = excluded.forget_after;
     DELETE FROM pglane.pruned_keys k WHERE k.forget_after <= now();
 $$;
+
+-- refuse_pruned_key: raise JobPruned (PGL14) when key p_key of lane p_lane belonged to a job that was
+-- pruned within the lane's key retention; nothing otherwise.
+CREATE OR REPLACE FUNCTION pglane.refuse_pruned_key(p_lane text, p_key text) RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
+DECLARE
+    k pglane.pruned_keys;
+BEGIN
+    SELECT * INTO k FROM pglane.pruned_keys p
+     WHERE p.lane = p_lane AND p.idempotency_key = p_key AND p.forget_after > now();
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    IF k.enqueued_by IS DISTINCT FROM pglane.caller() AND NOT pglane.sees_every_job(pglane.caller()::name) THEN
+        RAISE EXCEPTION USING ERRCODE = 'PGL05',
+            MESSAGE = format('idempotency key %L of lane %L is in use by another producer', p_key, p_lane),
+            HINT = 'keys are shared by every producer of a lane: prefix yours with your application''s name';
+    END IF;
+    RAISE EXCEPTION USING ERRCODE = 'PGL14',
+        MESSAGE = format('idempotency key %L of lane %L belonged to job %s, which was %s and has been pruned: '
+                         'it is not run again', p_key, p_lane, k.job_id, k.status),
+        DETAIL = format('job_id=%s', k.job_id),
+        HINT = format('use a new key to make a new request; this key is remembered until %s', k.forget_after);
+END $$;
 
 -- prune: delete the finished jobs of one lane (or all) that finished before now() - p_older_than,
 -- with their attempts (ON DELETE CASCADE); returns how many jobs went. Done and cancelled jobs go;

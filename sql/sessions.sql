@@ -13,7 +13,7 @@
 -- Invariants: the mark is chosen and locked by the claim (SECURITY DEFINER), never given by the
 -- caller: a session cannot claim under another session's identity, and a mark that another session
 -- holds cannot be taken. The setting pglane.session_mark only says which key to check first; the
--- check itself is exact (the same pin, unlock and re-lock as the slot check in claim.sql), so a
+-- check itself is exact (the same pin, unlock and re-lock as the slot check in slots.sql), so a
 -- forged setting costs a new mark, nothing more. A dead session's mark can be taken by a later session
 -- only under another pid (two live backends never share one), or under a reused pid by deliberate
 -- effort: that stalls its attempts' recovery (shown as a squatter on the slot it must also hold) and

@@ -1,186 +1,9 @@
 -- Views for operators: the state of every lane and job, and the next safe action, from one query.
 -- Everything is computed from the database clock (now()), never a worker's.
--- CREATE OR REPLACE keeps the grants of revision 0002 when a later revision re-applies this file; a
--- change to a view's columns other than adding one at the end needs its own DROP in that revision.
-
--- lease_wait_note: why a strict lane takes no job, and the way out.
-CREATE OR REPLACE FUNCTION pglane.lease_wait_note(p_lane text, p_attempt bigint, p_until timestamptz) RETURNS text
-LANGUAGE sql STABLE
-SET search_path = pg_catalog, pg_temp
-AS $$
-    SELECT format('wait: the worker of lost attempt %s may still be calling; lane %s takes its next job when '
-                  'that lease ends at %s. If you know that worker is stopped: pglane release-lease %s',
-                  p_attempt, p_lane, p_until, p_attempt);
-$$;
-
--- lane_consumers: how many sessions hold a slot of the lane right now (session advisory locks).
-CREATE OR REPLACE FUNCTION pglane.lane_consumers(p_lane_id integer, p_slots integer) RETURNS integer
-LANGUAGE sql STABLE
-SET search_path = pg_catalog, pglane, pg_temp
-AS $$
-    SELECT count(DISTINCT h.pid)::integer FROM pglane.slot_holders h
-     WHERE h.lane_id = p_lane_id AND h.slot <= p_slots AND h.granted AND h.mode = 'ExclusiveLock';
-$$;
-
--- slot_sessions: who holds or waits for each slot right now, with the session's role and application;
--- `squatter` marks a granted lock that is not a pglane worker's: a shared lock (it keeps every worker
--- out of the slot), or a session whose role is not a member of pglane_worker.
-CREATE OR REPLACE VIEW pglane.slot_sessions AS
-SELECT h.lane_id, h.lane, h.slot, h.pid, h.mode, h.granted, s.usename::text AS role, s.application_name,
-       h.granted AND (h.mode <> 'ExclusiveLock' OR s.usename IS NULL
-                      OR NOT pg_has_role(s.usename, 'pglane_worker', 'USAGE')) AS squatter
-  FROM pglane.slot_holders h
-  LEFT JOIN pg_catalog.pg_stat_activity s ON s.pid = h.pid;
-
--- lane_status's counts, independent of the history (#19, #31 point 7), and not a write nor a trigger
--- more on the claim/complete path: done is what is left of a lane's jobs once its queued and running
--- ones (read through the queue and running-attempt indexes: the backlog) and its failed and cancelled
--- ones are taken off. How many jobs a lane holds, and how many of them are failed and cancelled, is
--- kept in pglane.lane_tallies (jobs, failed, cancelled): an INSERT or DELETE statement adds its
--- counts per lane (statement triggers; a TRUNCATE empties the tallies), so every writer is counted,
--- pglane's functions and plain SQL alike. A job is counted failed (cancelled) while its column
--- failed_or_cancelled is true and its status is failed (cancelled). That column is a plain one,
--- written by the four functions that move a job into or out of failed and cancelled (requeue_or_fail,
--- cancel, retry, a late result in complete_impl), not a generated one: PostgreSQL reads a generated
--- column's expression again from its stored text for every UPDATE statement, about 20,000
--- instructions each, two per job (bench.callgrind). The row trigger jobs_tally_update counts those
--- moves: it is declared AFTER UPDATE OF failed_or_cancelled, so PostgreSQL fires it only for an UPDATE
--- whose SET list names that column; claim and complete do not (they leave it false: a completion
--- stays a HOT update), and for their UPDATEs the trigger costs a check of the statement's updated
--- columns, the foreign key's row trigger (attempts.job_id) already fetching the old row for every
--- UPDATE of jobs (bench.scale --only instructions: within noise). Not a statement trigger with a
--- transition table: PostgreSQL refuses a column list there, and without one it would keep every row
--- of every UPDATE of jobs, claim's and complete's included. A status changed by hand must set
--- failed_or_cancelled in the same UPDATE (to its value, even unchanged: the SET list is what counts);
--- rows written with triggers off (session_replication_role = replica), or a status changed without
--- it, are not counted: pglane.recount_tallies() sets the column again from status everywhere and
--- counts again. A job made running by hand without a running attempt would read as done.
---
--- A tally change is a row of its own (a delta), inserted, never an update of a shared row: so
--- producers never wait on each other for it (a producer's open transaction locks nothing another
--- needs). lane_status adds a lane's rows up; every 64th delta folds the lane's rows into one (rows
--- another fold holds are skipped; at most one fold per transaction), so a lane keeps a few dozen rows,
--- whatever its history.
-CREATE OR REPLACE FUNCTION pglane.tally(p_lane text, p_jobs bigint, p_failed bigint, p_cancelled bigint)
-RETURNS void
-LANGUAGE plpgsql
-SET search_path = pg_catalog, pglane, pg_temp
-AS $$
-DECLARE
-    v_lane  integer;
-    v_shard bigint := nextval('pglane.lane_tally_shards');
-BEGIN
-    SELECT l.id INTO v_lane FROM pglane.lanes l WHERE l.name = p_lane;
-    INSERT INTO pglane.lane_tallies (lane_id, shard, jobs, failed, cancelled)
-    VALUES (v_lane, v_shard, p_jobs, p_failed, p_cancelled);
-    -- At most once per transaction: rows this transaction deleted stay in the way of its later reads.
-    IF v_shard % 64 = 0 AND current_setting('pglane.tallies_folded', true) IS DISTINCT FROM txid_current()::text THEN
-        PERFORM pglane.fold_tallies(v_lane);
-        PERFORM set_config('pglane.tallies_folded', txid_current()::text, true);
-    END IF;
-END $$;
-
--- fold_tallies: replace lane p_lane_id's tally rows that no other transaction holds by their sum.
-CREATE OR REPLACE FUNCTION pglane.fold_tallies(p_lane_id integer) RETURNS void
-LANGUAGE sql
-SET search_path = pg_catalog, pglane, pg_temp
-AS $$
-    WITH held AS MATERIALIZED (
-        SELECT s.shard FROM pglane.lane_tallies s WHERE s.lane_id = p_lane_id FOR UPDATE SKIP LOCKED
-    ), gone AS (
-        DELETE FROM pglane.lane_tallies t USING held h
-         WHERE t.lane_id = p_lane_id AND t.shard = h.shard
-        RETURNING t.jobs, t.failed, t.cancelled
-    )
-    INSERT INTO pglane.lane_tallies (lane_id, shard, jobs, failed, cancelled)
-    SELECT p_lane_id, nextval('pglane.lane_tally_shards'), sum(g.jobs), sum(g.failed), sum(g.cancelled)
-      FROM gone g HAVING count(*) > 0;
-$$;
-
--- jobs_tally_rows (triggers jobs_tally_insert and jobs_tally_delete): once per statement, per lane touched. jobs_tally_update: once
--- per row of an UPDATE that names failed_or_cancelled, for a row whose count changes.
-CREATE OR REPLACE FUNCTION pglane.jobs_tally_rows() RETURNS trigger
-LANGUAGE plpgsql SECURITY DEFINER
-SET search_path = pg_catalog, pglane, pg_temp
-AS $$
-DECLARE
-    v_sign integer := CASE TG_OP WHEN 'INSERT' THEN 1 ELSE -1 END;  -- rows inserted count in, deleted out
-BEGIN
-    PERFORM pglane.tally(c.lane, v_sign * c.jobs, v_sign * c.failed, v_sign * c.cancelled)
-       FROM (SELECT j.lane, count(*) AS jobs,
-                    count(*) FILTER (WHERE j.failed_or_cancelled AND j.status = 'failed') AS failed,
-                    count(*) FILTER (WHERE j.failed_or_cancelled AND j.status = 'cancelled') AS cancelled
-               FROM changed_jobs j GROUP BY j.lane) c;
-    RETURN NULL;
-END $$;
-
-CREATE OR REPLACE FUNCTION pglane.jobs_tally_update() RETURNS trigger
-LANGUAGE plpgsql SECURITY DEFINER
-SET search_path = pg_catalog, pglane, pg_temp
-AS $$
-DECLARE
-    v_failed    integer := (NEW.failed_or_cancelled AND NEW.status = 'failed')::integer
-                         - (OLD.failed_or_cancelled AND OLD.status = 'failed')::integer;
-    v_cancelled integer := (NEW.failed_or_cancelled AND NEW.status = 'cancelled')::integer
-                         - (OLD.failed_or_cancelled AND OLD.status = 'cancelled')::integer;
-BEGIN
-    IF NEW.lane IS DISTINCT FROM OLD.lane THEN  -- by hand only: the job moves its counts too
-        PERFORM pglane.tally(OLD.lane, -1, -(OLD.failed_or_cancelled AND OLD.status = 'failed')::integer,
-                             -(OLD.failed_or_cancelled AND OLD.status = 'cancelled')::integer);
-        PERFORM pglane.tally(NEW.lane, 1, (NEW.failed_or_cancelled AND NEW.status = 'failed')::integer,
-                             (NEW.failed_or_cancelled AND NEW.status = 'cancelled')::integer);
-    ELSIF v_failed <> 0 OR v_cancelled <> 0 THEN
-        PERFORM pglane.tally(NEW.lane, 0, v_failed, v_cancelled);
-    END IF;
-    RETURN NULL;
-END $$;
-
-CREATE OR REPLACE FUNCTION pglane.jobs_tally_truncate() RETURNS trigger
-LANGUAGE plpgsql SECURITY DEFINER
-SET search_path = pg_catalog, pglane, pg_temp
-AS $$
-BEGIN
-    DELETE FROM pglane.lane_tallies;
-    RETURN NULL;
-END $$;
-
-DROP TRIGGER IF EXISTS jobs_tally_insert ON pglane.jobs;
-CREATE TRIGGER jobs_tally_insert AFTER INSERT ON pglane.jobs
-    REFERENCING NEW TABLE AS changed_jobs
-    FOR EACH STATEMENT EXECUTE FUNCTION pglane.jobs_tally_rows();
-DROP TRIGGER IF EXISTS jobs_tally_delete ON pglane.jobs;
-CREATE TRIGGER jobs_tally_delete AFTER DELETE ON pglane.jobs
-    REFERENCING OLD TABLE AS changed_jobs
-    FOR EACH STATEMENT EXECUTE FUNCTION pglane.jobs_tally_rows();
-DROP TRIGGER IF EXISTS jobs_tally_update ON pglane.jobs;
-CREATE TRIGGER jobs_tally_update AFTER UPDATE OF failed_or_cancelled ON pglane.jobs
-    FOR EACH ROW EXECUTE FUNCTION pglane.jobs_tally_update();
-DROP TRIGGER IF EXISTS jobs_tally_truncate ON pglane.jobs;
-CREATE TRIGGER jobs_tally_truncate AFTER TRUNCATE ON pglane.jobs
-    FOR EACH STATEMENT EXECUTE FUNCTION pglane.jobs_tally_truncate();
-
--- recount_tallies: set failed_or_cancelled again from status wherever the two disagree, then count
--- every lane's jobs, and its failed and cancelled ones, again from the history (one full read, with
--- writers to pglane.jobs held off meanwhile): after rows were written with triggers off or statuses
--- changed by hand. Returns the lanes counted.
-CREATE OR REPLACE FUNCTION pglane.recount_tallies() RETURNS integer
-LANGUAGE plpgsql SECURITY DEFINER
-SET search_path = pg_catalog, pglane, pg_temp
-AS $$
-DECLARE
-    v_lanes integer;
-BEGIN
-    LOCK TABLE pglane.jobs IN SHARE MODE;
-    UPDATE pglane.jobs j SET failed_or_cancelled = j.status IN ('failed', 'cancelled')
-     WHERE j.failed_or_cancelled IS DISTINCT FROM (j.status IN ('failed', 'cancelled'));
-    DELETE FROM pglane.lane_tallies;
-    INSERT INTO pglane.lane_tallies (lane_id, shard, jobs, failed, cancelled)
-    SELECT l.id, 0, count(*), count(*) FILTER (WHERE j.failed_or_cancelled AND j.status = 'failed'),
-           count(*) FILTER (WHERE j.failed_or_cancelled AND j.status = 'cancelled')
-      FROM pglane.jobs j JOIN pglane.lanes l ON l.name = j.lane GROUP BY l.id;
-    GET DIAGNOSTICS v_lanes = ROW_COUNT;
-    RETURN v_lanes;
-END $$;
+-- Each capability gives the views its own facts (slots.sql, strict.sql, rate.sql, tallies.sql); they
+-- are put together here. CREATE OR REPLACE keeps a view's grants (roles.sql) when a later revision
+-- re-applies this file; a change to a view's columns other than adding one at the end needs its own
+-- DROP in that revision.
 
 -- first_id_since: the first id of pglane.attempts (p_attempts) or pglane.jobs whose row began at or
 -- after p_at (an attempt's started_at, a job's created_at), found by bisecting the primary key: about
@@ -290,7 +113,7 @@ $$;
 
 -- lane_status: every count of a lane without reading its history: queued and eligible through the
 -- queue index, running through the running attempts, done, failed and cancelled from the tallies
--- (above), the last 5 minutes' flow (lane_flow, bounded) only for a lane whose eligible jobs wait past
+-- (tallies.sql), the last 5 minutes' flow (lane_flow, bounded) only for a lane whose eligible jobs wait past
 -- the grace. It costs the lanes, the backlog and the running attempts, never the finished jobs.
 -- Lane by lane (#30): each lane's counts and functions are LATERAL to its row of pglane.lanes, so a
 -- condition on `lane` (WHERE lane = ANY(...), as the operator's page asks for its fifty) selects the
@@ -385,38 +208,6 @@ SELECT b.lane, b.slots, b.consumers, b.queued, b.running, b.done, b.failed, b.ca
        b.rate, b.rate_window_used, b.rate_next_start_at
   FROM base b;
 
--- Lane facts for job_status, one map per statement: each is read by an uncorrelated sub-select in
--- the view, which PostgreSQL runs once, at its first use, and then reuses for every row (an InitPlan).
--- A listing of 100,000 queued jobs thus reads the slot locks once, not once per row (at about 0.1 ms
--- a read, that was 12 s); a lookup of one job that needs none of them reads none. SECURITY DEFINER:
--- a producer reads through job_status what these tell, not the tables they read.
--- lanes_consumers: {lane id: sessions holding a slot of it right now} (lane_consumers() for every lane).
-CREATE OR REPLACE FUNCTION pglane.lanes_consumers() RETURNS jsonb
-LANGUAGE sql STABLE SECURITY DEFINER
-SET search_path = pg_catalog, pglane, pg_temp
-AS $$
-    SELECT jsonb_object_agg(c.lane_id::text, c.consumers)
-      FROM (SELECT h.lane_id, count(DISTINCT h.pid) AS consumers FROM pglane.slot_holders h
-             WHERE h.granted AND h.mode = 'ExclusiveLock' GROUP BY h.lane_id) c;
-$$;
-
--- lanes_next_start: {lane: rate_next_start(lane)} for the rate-limited lanes (null: it may start now).
-CREATE OR REPLACE FUNCTION pglane.lanes_next_start() RETURNS jsonb
-LANGUAGE sql STABLE SECURITY DEFINER
-SET search_path = pg_catalog, pglane, pg_temp
-AS $$
-    SELECT jsonb_object_agg(l.name, pglane.rate_next_start(l.name)) FROM pglane.lanes l WHERE l.rate_limit IS NOT NULL;
-$$;
-
--- lanes_in_flight: {lane: in_flight(lane)} for the strict lanes (takeover after_lease).
-CREATE OR REPLACE FUNCTION pglane.lanes_in_flight() RETURNS jsonb
-LANGUAGE sql STABLE SECURITY DEFINER
-SET search_path = pg_catalog, pglane, pg_temp
-AS $$
-    SELECT jsonb_object_agg(l.name, to_jsonb(f)) FROM pglane.lanes l CROSS JOIN LATERAL pglane.in_flight(l.name) f
-     WHERE l.takeover = 'after_lease';
-$$;
-
 -- queue_positions: the position of every queued job of lane p_lane (of every lane if NULL), from one
 -- ordered pass over the queue index: O(queued), where job_status's per-row count is O(position) per
 -- row (listing N queued jobs through it costs N²/2 index entries: 26 s for 10,000). The order and
@@ -456,11 +247,18 @@ BEGIN
     END IF;
 END $$;
 
+-- Lane facts for job_status, one map per statement (lanes_consumers, slots.sql; lanes_in_flight,
+-- strict.sql; lanes_next_start, rate.sql): each is read by an uncorrelated sub-select in the view,
+-- which PostgreSQL runs once, at its first use, and then reuses for every row (an InitPlan). A listing
+-- of 100,000 queued jobs thus reads the slot locks once, not once per row (at about 0.1 ms a read,
+-- that was 12 s); a lookup of one job that needs none of them reads none. SECURITY DEFINER: a
+-- producer reads through job_status what these tell, not the tables they read.
+
 -- queue_position counts the lane's queued jobs through the queue index (q.in_queue), so it costs
 -- the backlog, not the history: one job's position is one range count of that index. A listing of
 -- many queued jobs takes its positions from queue_positions() instead (one pass, not one count per
 -- row; a query that does not name queue_position never computes it). The lane facts come from the
--- maps above, once per statement. A producer sees the jobs it enqueued (caller()), nothing else; operators
+-- maps (above), once per statement. A producer sees the jobs it enqueued (caller()), nothing else; operators
 -- and workers see every job (sees_every_job, evaluated once per query). security_barrier: a caller's
 -- own conditions run only on the rows it may see, so no function of theirs reads another's row.
 CREATE OR REPLACE VIEW pglane.job_status WITH (security_barrier) AS

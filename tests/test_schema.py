@@ -3,7 +3,9 @@ inside the pglane schema, and a wheel that carries migrations and SQL to `pglane
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -55,19 +57,64 @@ def revisions() -> list[Any]:
     return list(reversed(list(ScriptDirectory(str(schema.migrations_dir())).walk_revisions())))
 
 
-def test_each_revision_owns_its_text_and_sql_holds_the_heads() -> None:
-    # For each sql/ file: every revision that applies it but the newest reads a frozen copy, the
-    # newest reads sql/ itself, and no frozen copy lies unused.
+def test_each_revision_applies_only_the_files_it_changes_and_freezes_only_their_previous_text() -> None:
+    # The rule of pglane.schema: a revision applies only the sql/ files it changes; every revision that
+    # applies a file but the newest reads the text it installed from alembic/frozen/<revision>/, and
+    # so does the newest once the file has left sql/; no frozen copy lies unused.
     frozen = schema.migrations_dir() / "frozen"
+    in_sql = {p.name for p in schema.sql_dir().glob("*.sql")}
+    applies = {r.revision: tuple(getattr(r.module, "APPLIES", ())) for r in revisions()}
     used = set()
-    for name in sorted(p.name for p in schema.sql_dir().glob("*.sql")):
-        appliers = [r.revision for r in revisions() if name in getattr(r.module, "APPLIES", ())]
+    for name in sorted(in_sql | {n for names in applies.values() for n in names}):
+        appliers = [revision for revision, names in applies.items() if name in names]
         assert appliers, f"no revision applies sql/{name}"
-        for older in appliers[:-1]:
-            assert (frozen / older / name).is_file(), f"revision {older} applies sql/{name} unfrozen"
+        for older in appliers if name not in in_sql else appliers[:-1]:
+            assert (frozen / older / name).is_file(), f"revision {older} applies {name} unfrozen"
             used.add(frozen / older / name)
-        assert not (frozen / appliers[-1] / name).exists(), f"the newest applier of {name} must read sql/"
-    assert set(frozen.glob("*/*.sql")) == used
+        if name in in_sql:
+            assert not (frozen / appliers[-1] / name).exists(), f"the newest applier of {name} must read sql/"
+        for before, after in itertools.pairwise(appliers):
+            assert schema.sql_text(name, before) != schema.sql_text(name, after), (
+                f"revision {after} applies {name} as {before} left it: a revision applies only the files it changes")
+    assert set(frozen.glob("*/*.sql")) == used, "a frozen copy that no revision reads"
+
+
+def test_each_function_view_trigger_and_policy_is_made_by_one_file_of_sql() -> None:
+    made: dict[tuple[str, str], list[str]] = {}
+    for path in sorted(schema.sql_dir().glob("*.sql")):
+        for kind, name in re.findall(r"^CREATE (?:OR REPLACE )?(FUNCTION|VIEW|TRIGGER|POLICY) (?:pglane\.)?(\w+)",
+                                     path.read_text(encoding="utf-8"), re.MULTILINE):
+            made.setdefault((kind, name), []).append(path.name)
+    assert len(made) > 80
+    assert {what: files for what, files in made.items() if len(files) > 1} == {}
+
+
+def privileges(conn: Any) -> list[dict[str, Any]]:
+    """Every privilege that PUBLIC and pglane's three roles hold on the pglane schema and on its
+    relations, columns and functions (an ACL that was never set reads as its default)."""
+    return list(conn.execute(
+        """
+        WITH acl (kind, object, acl) AS (
+            SELECT 'schema', n.nspname::text, coalesce(n.nspacl, acldefault('n', n.nspowner))
+              FROM pg_namespace n WHERE n.nspname = 'pglane'
+            UNION ALL
+            SELECT 'relation', c.oid::regclass::text,
+                   coalesce(c.relacl, acldefault(CASE WHEN c.relkind = 'S' THEN 's' ELSE 'r' END::"char", c.relowner))
+              FROM pg_class c WHERE c.relnamespace = 'pglane'::regnamespace
+            UNION ALL
+            SELECT 'column', c.oid::regclass::text || '.' || a.attname, a.attacl
+              FROM pg_class c JOIN pg_attribute a ON a.attrelid = c.oid
+             WHERE c.relnamespace = 'pglane'::regnamespace AND a.attacl IS NOT NULL AND NOT a.attisdropped
+            UNION ALL
+            SELECT 'function', p.oid::regprocedure::text, coalesce(p.proacl, acldefault('f', p.proowner))
+              FROM pg_proc p WHERE p.pronamespace = 'pglane'::regnamespace
+        )
+        SELECT a.kind, a.object, CASE WHEN x.grantee = 0 THEN 'PUBLIC' ELSE x.grantee::regrole::text END AS grantee,
+               x.privilege_type, x.is_grantable
+          FROM acl a CROSS JOIN LATERAL aclexplode(a.acl) x
+         WHERE x.grantee = 0 OR x.grantee::regrole::text IN ('pglane_producer', 'pglane_worker', 'pglane_operator')
+         ORDER BY 1, 2, 3, 4
+        """))
 
 
 def schema_dump(dsn: str) -> str:
@@ -112,6 +159,25 @@ def test_every_path_through_an_older_revision_ends_in_the_schema_of_a_fresh_inst
     assert schema_dump(second_dsn) == fresh_head, f"upgrading from {older} differs from a fresh install"
     schema.downgrade(second_dsn, older)
     assert schema_dump(second_dsn) == fresh_older, f"downgrading to {older} differs from a fresh {older}"
+
+
+def test_revision_0010_moves_the_sql_and_changes_no_object_and_no_privilege(second_dsn: str) -> None:
+    # sql/ by capability: the schema at 0010 is 0009's (the ACLs of the schema, relations, columns and
+    # functions too, and the policies), but for the one comment that named the file of the tallies;
+    # its downgrade gives 0009's back.
+    schema.upgrade(second_dsn, "0009")
+    with pglane.connect(second_dsn) as c:
+        at_0009 = schema_dump(second_dsn), privileges(c)
+        schema.upgrade(second_dsn, "0010")
+        at_0010 = schema_dump(second_dsn), privileges(c)
+        schema.downgrade(second_dsn, "0009")
+        back = schema_dump(second_dsn), privileges(c)
+    assert len(at_0009[1]) > 100 and "CREATE POLICY jobs_producer_reads_own" in at_0009[0]
+    moved = at_0009[0].replace("(not generated: see views.sql)", "(not generated: see tallies.sql)")
+    assert moved != at_0009[0]
+    assert at_0010[1] == at_0009[1]
+    assert at_0010[0] == moved
+    assert back == at_0009
 
 
 def test_a_database_at_the_baseline_upgrades_with_its_jobs_and_runs_them(dsn: str, conn: Any) -> None:
