@@ -5,8 +5,9 @@ Owns: locating ``sql/`` and ``alembic/`` (top-level folders in a checkout, ``pgl
 that a database is at the version this code expects (alembic's head: never a number kept by hand).
 
 Invariants: only alembic migrations create or change pglane's objects. sql/ holds one file per
-capability (each function, view and trigger in exactly one). What a revision installs never changes
-once written: a revision applies only the sql/ files it changes (its ``APPLIES``), and reads each
+capability (each function, view and trigger in exactly one), and roles.sql, the three roles' whole
+privilege set. What a revision installs never changes once written: a revision applies only the
+sql/ files it changes (its ``APPLIES``; roles.sql among them when it changes a grant), and reads each
 through ``sql_text``, which gives a frozen copy (``alembic/frozen/<revision>/<file>``) when a later
 revision has changed that file since or the file has left sql/. So sql/ always holds the newest text
 of each file, and a revision that changes a file freezes, in the same commit, the previous text of

@@ -79,6 +79,37 @@ def test_each_revision_applies_only_the_files_it_changes_and_freezes_only_their_
     assert set(frozen.glob("*/*.sql")) == used, "a frozen copy that no revision reads"
 
 
+# sql/'s files in dependency order: a file's views and SQL-language functions use only objects of the
+# files before it (and the revisions' tables and types). A new file goes in its place here.
+SQL_ORDER = ("lanes.sql", "slots.sql", "sessions.sql", "queue_bound.sql", "rate.sql", "strict.sql", "jobs.sql",
+             "claim.sql", "recover.sql", "history.sql", "tallies.sql", "views.sql", "wait.sql", "roles.sql")
+
+DROP_CODE = """
+DO $$
+DECLARE
+    v text;
+BEGIN
+    FOR v IN SELECT format('DROP VIEW IF EXISTS pglane.%I CASCADE', c.relname) FROM pg_class c
+              WHERE c.relnamespace = 'pglane'::regnamespace AND c.relkind = 'v'
+             UNION ALL
+             SELECT format('DROP FUNCTION IF EXISTS pglane.%I(%s) CASCADE', p.proname,
+                           pg_get_function_identity_arguments(p.oid))
+               FROM pg_proc p WHERE p.pronamespace = 'pglane'::regnamespace
+    LOOP
+        EXECUTE v;
+    END LOOP;
+END $$;
+"""
+
+
+def code(conn: Any) -> dict[str, int]:
+    return dict(conn.execute(
+        "SELECT (SELECT count(*) FROM pg_proc WHERE pronamespace = 'pglane'::regnamespace) AS functions,"
+        " (SELECT count(*) FROM pg_class WHERE relnamespace = 'pglane'::regnamespace AND relkind = 'v') AS views,"
+        " (SELECT count(*) FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid"
+        "   WHERE c.relnamespace = 'pglane'::regnamespace AND NOT t.tgisinternal) AS triggers").fetchone())
+
+
 def test_each_function_view_trigger_and_policy_is_made_by_one_file_of_sql() -> None:
     made: dict[tuple[str, str], list[str]] = {}
     for path in sorted(schema.sql_dir().glob("*.sql")):
@@ -87,6 +118,20 @@ def test_each_function_view_trigger_and_policy_is_made_by_one_file_of_sql() -> N
             made.setdefault((kind, name), []).append(path.name)
     assert len(made) > 80
     assert {what: files for what, files in made.items() if len(files) > 1} == {}
+
+
+def test_sql_in_its_order_makes_every_function_view_trigger_and_privilege_of_the_head(dsn: str, conn: Any) -> None:
+    # Together with the test above: each lives in exactly one file, and the order is a dependency order.
+    assert sorted(SQL_ORDER) == sorted(p.name for p in schema.sql_dir().glob("*.sql"))
+    head, granted, made = schema_dump(dsn), privileges(conn), code(conn)
+    conn.execute(DROP_CODE)
+    assert code(conn) == {"functions": 0, "views": 0, "triggers": 0}
+    for name in SQL_ORDER:
+        conn.execute((schema.sql_dir() / name).read_text(encoding="utf-8"))
+    conn.execute("REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA pglane FROM PUBLIC")  # as apply_sql does
+    assert code(conn) == made
+    assert privileges(conn) == granted
+    assert schema_dump(dsn) == head
 
 
 def privileges(conn: Any) -> list[dict[str, Any]]:

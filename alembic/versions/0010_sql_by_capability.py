@@ -1,5 +1,6 @@
-"""sql/ by capability (#31 point 3): one file per capability, so that a feature lives in one file. A
-move: no function, view, trigger or privilege changes.
+"""sql/ by capability (#31 point 3): one file per capability, so that a feature lives in one file, and
+the three roles' whole privilege set in one file, sql/roles.sql. A move: no function, view, trigger
+or privilege changes.
 
 Revision ID: 0010
 Revises: 0009
@@ -17,14 +18,16 @@ in the one file of the capability it serves, its text unchanged:
 - claim.sql: the claim as its steps (pick, take) and its entry points;
 - recover.sql: recovery and the stuck report; history.sql: prune and the keys kept after it;
 - tallies.sql: the lane tallies and the triggers that keep them; views.sql: lane_status, job_status;
-- wait.sql: waiting for a job's result (unchanged, so not applied here: 0009's text stays its own).
+- wait.sql: waiting for a job's result (unchanged, so not applied here: 0009's text stays its own);
+- roles.sql: every grant to pglane_producer, pglane_worker and pglane_operator, and the policies on
+  jobs; idempotent (it takes back what the three roles hold, then grants the set).
 
 APPLIES lists them in dependency order: a file's views and SQL-language functions use only objects
-of the files before it (and wait.sql, of 0009). This revision installs no new object and changes
-no privilege (tests/test_schema.py compares the schema and every privilege before and after it).
-The one stored text that changes is jobs.failed_or_cancelled's comment, which named the file of the
-tallies. 0009's text of the files it applied is frozen in alembic/frozen/0009/; downgrade applies it
-again and gives the comment back.
+of the files before it (and wait.sql, of 0009). This revision installs no new object and grants
+exactly what 0006-0009 granted (tests/test_schema.py compares the schema and every privilege before
+and after it). The one stored text that changes is jobs.failed_or_cancelled's comment, which named
+the file of the tallies. 0009's text of the files it applied is frozen in alembic/frozen/0009/;
+downgrade applies it again and gives the comment back (roles.sql's grants are 0009's: nothing to undo).
 """
 
 from alembic import op
@@ -36,7 +39,7 @@ branch_labels = None
 depends_on = None
 
 APPLIES = ("lanes.sql", "slots.sql", "sessions.sql", "queue_bound.sql", "rate.sql", "strict.sql", "jobs.sql",
-           "claim.sql", "recover.sql", "history.sql", "tallies.sql", "views.sql")
+           "claim.sql", "recover.sql", "history.sql", "tallies.sql", "views.sql", "roles.sql")
 PREVIOUS = ("lanes.sql", "sessions.sql", "enqueue.sql", "claim.sql", "recover.sql", "history.sql", "views.sql",
             "wait.sql")  # 0009's APPLIES: its text, as 0009 installs it
 
