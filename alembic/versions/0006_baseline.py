@@ -6,11 +6,11 @@ Revision ID: 0006
 Revises:
 Create Date: 2026-12-03
 
-How revisions own their text (pglane.schema.sql_text): each revision lists the sql/ files it applies
-in APPLIES. The newest revision to apply a file reads it from sql/; a revision that changes a file
-again first copies the older revision's text to alembic/frozen/<revision>/, so that what a revision
-installs never changes once written (tests/test_schema.py checks the rule, and that every upgrade and
-downgrade path ends in the same schema as a fresh install at that revision).
+How revisions own their text (pglane.schema.sql_text): each revision lists in APPLIES the sql/ files
+it applies, only those it changes. The newest revision to apply a file reads it from sql/; a revision
+that changes a file again first copies the older revision's text to alembic/frozen/<revision>/, so
+that what a revision installs never changes once written (tests/test_schema.py checks the rule, and
+that every upgrade and downgrade path ends in the same schema as a fresh install at that revision).
 
 Invariants kept here, next to the state they protect:
 - a status is text in a DOMAIN that carries the named CHECK (job_status_valid, attempt_status_valid):

@@ -1,5 +1,5 @@
-"""Everything of this round on top of the baseline: SQL said once, hostile sessions, strict lanes, the
-operator's surface at scale. One revision: none of its parts was ever released on its own.
+"""Hostile sessions and strict lanes on top of the baseline, with SQL said once and the operator's
+surface at scale. One revision: none of its parts was ever released on its own.
 
 Revision ID: 0007
 Revises: 0006

@@ -1,6 +1,6 @@
-"""The next round: rate limits and `lane set` (#21), waiting for a job's result (#20), the operator's
-listings at scale (#19). One revision; each feature keeps its DDL in its own section below, so that
-the parts can land independently inside it.
+"""Rate limits and `lane set` (#21), waiting for a job's result (#20), the operator's listings at
+scale (#19). One revision; each feature keeps its DDL in its own section below, so that the parts
+can land independently inside it.
 
 Revision ID: 0008
 Revises: 0007

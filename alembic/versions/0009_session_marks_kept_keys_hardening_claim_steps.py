@@ -1,5 +1,5 @@
-"""Session marks for managed PostgreSQL (#29), idempotency keys kept after prune, the second hardening
-round (#30), the claim in four steps and lane_status's failures from the tallies (#31).
+"""Session marks for managed PostgreSQL (#29), idempotency keys kept after prune, hardening (#30), the
+claim in four steps and lane_status's failures from the tallies (#31).
 
 Revision ID: 0009
 Revises: 0008
