@@ -123,8 +123,9 @@ WAIT_UNDO_AFTER = ""
 # queue_positions(): a listing's positions from one ordered pass of the queue; lanes_consumers(),
 # lanes_next_start(), lanes_in_flight(): job_status's lane facts, read once per statement.
 # lane_status without the history: lane_tallies (per lane, in delta rows: the jobs the table holds;
-# kept by the jobs_tally_* statement triggers of views.sql, counted here once), jobs.failed_or_cancelled
-# (a plain column written with status by the functions that fail, cancel and retry; set here once)
+# kept by the jobs_tally_* statement triggers, views.sql then, tallies.sql since 0010; counted here
+# once), jobs.failed_or_cancelled (a plain column written with status by the functions that fail,
+# cancel and retry; set here once)
 # and its partial index (the failed and cancelled jobs, claim and complete leave it false); lane_flow()
 # reads the last 5 minutes by primary key (first_id_since()), no index of its own. Functions, the table and the
 # column go after 0007's text is back (0007's views do not use them; RATE_UNDO_BEFORE drops 0008's
