@@ -12,8 +12,8 @@ What it does not see: the client, the round trip and the kernel (the commit's WA
 call: counted as the instructions that issue it, not the time it waits). Both sides of a comparison
 pay those alike.
 
-Used by ``python -m bench.scale --only instructions`` (#19, point 2) and ``python -m bench.rates
---only instructions`` (#21).
+Used by ``python -m bench --only scale --only instructions`` (#19, point 2), ``python -m bench --only
+rates --only instructions`` (#21) and bench.lab.identity (#29).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What the operator's and the producers' heavy hands cost a running worker (#19, points 3 and 4):
-`python -m bench.contention [--jobs N] [--rounds R] [--producers P] [--history H] [--only full|prune]`.
+`python -m bench --only contention [--jobs N] [--rounds R] [--producers P] [--history H] [--only full|prune]`.
 
 - ``full``: one real `pglane worker` (bench.handlers:noop) drains N jobs while P producer processes
   enqueue onto the same lane as fast as they can, one job per statement, autocommit. Three cases,
@@ -35,9 +35,10 @@ import psycopg
 import pglane
 from pglane import schema
 
-from .pglane_runs import load_finished
+from .pglane_runs import drain, insert_jobs, load_finished
+from .procs import ROOT
+from .server import env_or_embedded
 from .stats import median_interval, verdict
-from .waiters import ROOT, database, drain, insert_jobs
 
 CASES = ("unbounded", "full_skip", "full_error")
 BOUND = 1000
@@ -156,7 +157,7 @@ def prune_beside(dsn: str, conn: psycopg.Connection[Any], history: int, duty: fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.contention", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench --only contention", description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=3000, help="jobs the worker drains per case (default 3000)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the full-lane cases (default 3)")
     parser.add_argument("--producers", type=int, default=10, help="producer processes (default 10)")
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.producer:
         return producer(os.environ["PGLANE_DSN"], *args.producer)
     found: dict[str, Any] = {}
-    with database() as dsn:
+    with env_or_embedded() as dsn:
         schema.upgrade(dsn)
         with pglane.connect(dsn) as conn:
             if args.only in (None, "full"):
@@ -193,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{p['worker_before_jobs_per_s']:,.0f} jobs/s before, {p['worker_during_jobs_per_s']:,.0f} during: "
               f"{p['ratio']:.3f} >= 0.8: {p['verdict']}")
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(found, indent=2, default=str))
     return 0
 

@@ -1,4 +1,4 @@
-"""How long a worker takes to resume after a failover (#18): `python -m bench.failover [--runs N] [--json PATH]`.
+"""How long a worker takes to resume after a failover (#18): `python -m bench --only failover [--runs N] [--json PATH]`.
 
 Protocol, per run: a primary and a synchronous standby built from the server binaries the suite uses
 (tests.replica: ``pg_basebackup -R``, ``synchronous_standby_names``, ``synchronous_commit = on``); a
@@ -163,7 +163,7 @@ def _workdir(path: str | None) -> Iterator[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.failover", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench --only failover", description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5, help="failovers, each on a new pair (default 5)")
     parser.add_argument("--json", metavar="PATH", help="write the runs and medians there")
     parser.add_argument("--dir", help="keep the servers' data and logs here (default: a temporary directory)")
@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"median of {len(runs)} run(s):", ", ".join(f"{k} {v}" for k, v in summary.items()))
     print(f"machine: {os.cpu_count()} CPUs, load average {' '.join(map(str, load))}")
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"runs": runs, "median": summary, "machine": machine}, indent=2) + "\n")
     return 0
 

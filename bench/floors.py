@@ -64,7 +64,7 @@ BEGIN
     RETURN QUERY UPDATE floor_jobs j SET status = 'running', started_at = now(), seq = v_seq WHERE j.id = v_id
                  RETURNING j.id, j.payload;
 END $$;
--- floor_one_commit's two statements in a plpgsql function: what plpgsql itself costs (bench.experiments)
+-- floor_one_commit's two statements in a plpgsql function: what plpgsql itself costs (bench.lab.experiments)
 CREATE FUNCTION floor_claim_plpgsql(p_prev bigint) RETURNS TABLE (id bigint, payload jsonb) LANGUAGE plpgsql AS $$
 DECLARE
     v_id bigint;
@@ -313,7 +313,7 @@ def _drain_seq_flush(conn: psycopg.Connection[Any]) -> None:
     flush), followed by a durable commit of its own (an xid, nothing written: its commit record's flush
     covers the claim's) before the job runs: a claim is still durable before its call, and the seq
     still gapless in the durable history (WAL is one sequence: a claim lost in a crash takes every
-    later one with it). Two round trips; bench.experiments measures whether it lifts the slots ceiling."""
+    later one with it). Two round trips; bench.lab.experiments measures whether it lifts the slots ceiling."""
     prev: int | None = None
     while True:
         with conn.transaction():

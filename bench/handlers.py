@@ -7,7 +7,7 @@
 With BENCH_PROFILE=FILE the worker process that imports this module runs under cProfile from then on
 and dumps its statistics to FILE at exit (a graceful SIGTERM stop runs atexit).
 
-With BENCH_EXPERIMENT=lean-call (only ``python -m bench.profile`` sets it) this worker process patches
+With BENCH_EXPERIMENT=lean-call (only ``python -m bench --only profile`` sets it) this worker process patches
 its own copy of pglane's worker in memory: Worker._call awaits the async handler directly (no
 watchdog, no timeout, no session watcher). That is a lower bound for the call scaffolding, to measure
 what it costs; nothing on disk changes.

@@ -1,13 +1,18 @@
 """pglane itself: the real worker as a consumer (throughput, wake, cost through bench.real), claim
-latency against backlog and history, standby takeover, and enqueue throughput.
+latency against backlog and history, standby takeover, and enqueue throughput; and one real worker's
+drain of a lane (``drain``), for the scenarios that run on a server of their own (rates, contention).
 
-All of it runs in database bench_pglane, migrated with pglane.schema.upgrade, on its own lanes.
+The parts of a server's run use database bench_pglane, migrated with pglane.schema.upgrade, each on
+lanes of its own; ``drain`` works in whatever database it is given.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -86,6 +91,36 @@ def load_finished(conn: psycopg.Connection[Any], lane: str, count: int) -> None:
             " started_at + interval '660 seconds', seq FROM pglane.jobs WHERE lane = %s", (lane,))
     finally:
         conn.execute("RESET session_replication_role")
+
+
+def insert_jobs(conn: psycopg.Connection[Any], lane: str, n: int) -> list[int]:
+    """n queued jobs of the lane in one statement (payload ``{"n": i}``); their ids."""
+    rows = conn.execute("INSERT INTO pglane.jobs (lane, payload) SELECT %s, jsonb_build_object('n', g)"
+                        " FROM generate_series(1, %s) g RETURNING id", (lane, n)).fetchall()
+    return [int(r["id"]) for r in rows]
+
+
+def drain(dsn: str, conn: psycopg.Connection[Any], lane: str, n: int) -> float:
+    """One real worker (bench.handlers:noop, --max-jobs n) drains n queued jobs of the lane: jobs per
+    second on the database clock, from the first start to the last finish."""
+    proc = subprocess.Popen([sys.executable, "-m", "pglane", "worker", lane, "--handler", "bench.handlers:noop",
+                             "--max-jobs", str(n)], env={**os.environ, "PGLANE_DSN": dsn}, cwd=procs.ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 0:
+        raise SystemExit(f"the worker on {lane} exited {proc.returncode}: {err.decode(errors='replace')[-2000:]}")
+    row = conn.execute("SELECT count(*) FILTER (WHERE status = 'done') AS done,"
+                       " extract(epoch FROM max(finished_at) - min(started_at))::float8 AS seconds"
+                       " FROM pglane.jobs WHERE lane = %s", (lane,)).fetchone()
+    assert row is not None
+    if row["done"] != n:
+        raise SystemExit(f"{lane}: {row['done']} of {n} jobs done")
+    return float(n / row["seconds"])
 
 
 def truncate(conn: psycopg.Connection[Any]) -> None:

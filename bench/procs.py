@@ -24,6 +24,7 @@ import psycopg
 from .stats import BenchTimeout, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"  # not in git: every writer makes the folder it writes to
 STOP_TIMEOUT = 15.0
 
 

@@ -1,6 +1,6 @@
-"""``python -m bench.profile [--jobs N]``: where the pglane worker loses against floor_contract.
+"""``python -m bench --only profile [--jobs N]``: where the pglane worker loses against floor_contract.
 
-Not part of ``python -m bench``. On its own embedded server (or PGLANE_DSN) it measures:
+It runs alone (not in a server's run of ``python -m bench``), on its own embedded server (or PGLANE_DSN) it measures:
 1. throughput, interleaved: floor_contract (sync psycopg), the same loop on async psycopg, the real
    worker, and the worker with its handler awaited directly (BENCH_EXPERIMENT=lean-call, see
    bench.handlers): splits the gap into async driver, call scaffolding and the rest of the worker;
@@ -45,10 +45,9 @@ from .pglane_runs import (
     load_queued,
     truncate,
 )
+from .procs import RESULTS
 from .server import bench_server
 from .stats import latency_ms, progress, progress_done, rotations
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 async def _contract_async(dsn: str, lid: int, n: int) -> float:
@@ -248,7 +247,7 @@ def _cold_claims(server: Any, count: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.profile")
+    parser = argparse.ArgumentParser(prog="python -m bench --only profile")
     parser.add_argument("--jobs", type=int, default=3000)
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--wake-jobs", type=int, default=150)

@@ -1,5 +1,5 @@
 """What a rate limit costs, and how close a limited lane gets to its limit (#21):
-`python -m bench.rates [--jobs N] [--rounds R] [--claims M] [--seconds S] [--only NAME ...]`.
+`python -m bench --only rates [--jobs N] [--rounds R] [--claims M] [--seconds S] [--only NAME ...]`.
 
 Four measurements, each on the same server, interleaved so that machine noise hits each case alike:
 
@@ -43,9 +43,10 @@ import pglane
 from pglane import queries, schema
 
 from . import callgrind
-from .pglane_runs import claim_and_complete, lane_id, load_queued
+from .pglane_runs import claim_and_complete, drain, insert_jobs, lane_id, load_queued
+from .procs import ROOT
+from .server import env_or_embedded
 from .stats import latency_ms, median_interval, ratio_interval, verdict
-from .waiters import ROOT, database, drain, insert_jobs
 
 GENEROUS = "1000000/min"
 LIMIT_PER_S = 30  # the achieved-rate case: 30 starts in any second, three slots
@@ -184,7 +185,7 @@ def report(name: str, found: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.rates", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench --only rates", description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=3000, help="jobs per drain (default 3000)")
     parser.add_argument("--rounds", type=int, default=5, help="drains of each case (default 5)")
     parser.add_argument("--claims", type=int, default=3000, help="claims of each case (default 3000)")
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         missing = callgrind.available()
         found["instructions"] = {"skipped": missing} if missing else instructions(args.ic_jobs, args.ic_rounds)
     if set(only) - {"instructions"}:
-        with database() as dsn:
+        with env_or_embedded() as dsn:
             schema.upgrade(dsn)
             with pglane.connect(dsn) as conn:
                 conn.execute("ALTER SYSTEM SET track_functions = 'pl'")
@@ -215,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in only:
         print(report(name, found[name]))
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(found, indent=2, default=str))
     return 0
 

@@ -1,15 +1,22 @@
-"""One server's run: the scenarios, in order, each writing its figures into the server's block.
+"""Every scenario of ``python -m bench`` (SCENARIOS, each a choice of ``--only``), and one server's run.
 
-A scenario is a function ``(Context) -> None`` in SCENARIOS. It measures on ``ctx.server`` and writes
-into ``ctx.block`` (the server's part of the JSON: ``results[system]`` for per-system figures, its own
-key for anything else) and, for a ratio the report judges, the ratio's bootstrap interval into
-``ctx.block["intervals"]`` (bench.stats.ratio_interval / median_interval). A scenario that raises is
-recorded under ``errors`` and the others still run.
+Two kinds of scenario:
+
+- a part of every server's run (``Scenario.measure``, a function ``(Context) -> None``): it measures
+  on ``ctx.server`` and writes into ``ctx.block`` (the server's part of the JSON: ``results[system]``
+  for per-system figures, its own key for anything else) and, for a ratio the report judges, the
+  ratio's bootstrap interval into ``ctx.block["intervals"]`` (bench.stats.ratio_interval /
+  median_interval). ``python -m bench`` runs all of them, in SCENARIOS' order, on every server; one
+  that raises is recorded under ``errors`` and the others still run.
+- a module of its own (``Scenario.module``): it needs servers set up its own way (a standby, a
+  single-user backend under valgrind, a long soak) or options of its own, so it runs alone:
+  ``python -m bench --only NAME [its options]`` calls ``bench.NAME.main`` with those options.
 
 To add one (a rate-limited lane, waiters, a prune beside a worker, ...): write the function here or in
-a module of its own (its lanes made in its own setup, or in Pglane.setup), add it to SCENARIOS (its
-name becomes a choice of ``--only``), and, if the report should judge a ratio of it, compute the
-ratio in ``report.ratios`` and add its bound to ``report.TARGETS``.
+a module of its own (its lanes made in its own setup, or in Pglane.setup), add it to SCENARIOS with
+one line on what it measures, and, if the report should judge a ratio of it, compute the ratio in
+``report.ratios`` and add its bound to ``report.TARGETS``. Investigations that answered one past
+question live in bench.lab, not here.
 """
 
 from __future__ import annotations
@@ -23,12 +30,17 @@ from typing import Any
 
 from . import floors, real
 from . import throughput as tp
-from .peers import Pgqueuer, Procrastinate
 from .pglane_runs import Pglane, claim_latency, enqueue_throughput, takeover
 from .server import BenchServer
 from .stats import Sizes, latency_ms, median_interval, progress, ratio_interval
 
 PEERS = ("procrastinate", "pgqueuer")
+
+
+def _peers() -> list[real.RealSystem]:
+    from .peers import Pgqueuer, Procrastinate  # the bench extra: imported where the peers run
+
+    return [Procrastinate(), Pgqueuer()]
 
 
 @dataclass
@@ -39,7 +51,7 @@ class Context:
     slot_counts: tuple[int, ...]
     block: dict[str, Any]
     pglane: Pglane = field(default_factory=Pglane)
-    peers: list[real.RealSystem] = field(default_factory=lambda: [Procrastinate(), Pgqueuer()])
+    peers: list[real.RealSystem] = field(default_factory=_peers)
     listeners: list[real.RealSystem] = field(
         default_factory=lambda: [floors.FloorListen(), floors.FloorListenContract()])
 
@@ -138,25 +150,50 @@ def cost(ctx: Context) -> None:
     ctx.block["cost_per_job"] = costs
 
 
-Scenario = Callable[[Context], None]
-SCENARIOS: dict[str, Scenario] = {  # run in this order
-    "throughput": throughput,
-    "wake": wake,
-    "claims": claims,
-    "takeover": takeovers,
-    "enqueue": enqueue,
-    "cost": cost,
+@dataclass(frozen=True)
+class Scenario:
+    """One choice of ``--only``: a part of every server's run (``measure``) or a module that runs alone
+    with options of its own (``module``: ``bench.<module>.main(argv)``)."""
+    about: str  # one line: what it measures (``python -m bench --list``)
+    measure: Callable[[Context], None] | None = None
+    module: str | None = None
+
+
+SCENARIOS: dict[str, Scenario] = {  # the parts of a server's run first, in the order they run
+    "throughput": Scenario("drain throughput at 1, 3 and 8 slots against the peers and the floors; where the"
+                           " time goes", throughput),
+    "wake": Scenario("wake latency, commit to handler start, every consumer listening at once", wake),
+    "claims": Scenario("claim latency at 1k, 100k and 1M queued and behind 1M finished jobs", claims),
+    "takeover": Scenario("a standby worker takes over after the active one is SIGKILLed mid-call", takeovers),
+    "enqueue": Scenario("enqueue throughput: INSERT, pglane.enqueue, a batch; a bounded lane at 100k queued",
+                        enqueue),
+    "cost": Scenario("WAL bytes, commits and round trips per job, every system", cost),
+    "scale": Scenario("listings and lane_status behind 1M jobs; what the counts cost a claim (also in"
+                      " instructions)", module="scale"),
+    "rates": Scenario("what a rate limit costs a worker and a claim, and how close a limited lane gets to"
+                      " its limit", module="rates"),
+    "contention": Scenario("a worker beside producers hammering a full lane, and beside a prune of 1M jobs",
+                           module="contention"),
+    "failover": Scenario("a worker resuming after its primary dies and a synchronous standby is promoted",
+                         module="failover"),
+    "soak": Scenario("one worker through 100,000 jobs beside producers: does anything grow that must stay"
+                     " flat", module="soak"),
+    "startup": Scenario("`pglane status` against a bare psycopg connect and query, fresh processes",
+                        module="startup"),
+    "profile": Scenario("where the worker loses against floor_contract: driver, call scaffolding, cProfile,"
+                        " statements", module="profile"),
 }
+PER_SERVER = tuple(name for name, s in SCENARIOS.items() if s.measure is not None)
 
 
 def run(ctx: Context, only: set[str]) -> None:
-    """The chosen scenarios in SCENARIOS' order; one that raises is recorded under ``errors``."""
+    """The chosen parts of a server's run in SCENARIOS' order; one that raises is recorded under ``errors``."""
     setup(ctx)
     for name, scenario in SCENARIOS.items():
-        if name not in only:
+        if name not in only or scenario.measure is None:
             continue
         try:
-            scenario(ctx)
+            scenario.measure(ctx)
         except Exception as exc:  # one broken scenario must not lose the others' figures
             ctx.block["errors"][name] = f"{type(exc).__name__}: {exc}"
             traceback.print_exc(file=sys.stderr)

@@ -1,4 +1,4 @@
-"""``python -m bench.scale [--dsn DSN] [--queued N] [--finished N] [--rounds N] [--before REV] [--json FILE]``
+"""``python -m bench --only scale [--dsn DSN] [--queued N] [--finished N] [--rounds N] [--before REV] [--json FILE]``
 
 The operator's surface at scale (#19, points 1 and 2), in server time (EXPLAIN ANALYZE's execution
 time: what the query costs the server, without the transfer to the client):
@@ -342,7 +342,7 @@ def compare(values: dict[bool, list[float]], op: str, bound: float) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench --only scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--dsn", help="a server to run on (default: $PGLANE_DSN, else a throwaway embedded one)")
     p.add_argument("--queued", type=int, default=100_000)
     p.add_argument("--finished", type=int, default=1_000_000)
@@ -383,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
             {"skipped": missing} if missing else claim_complete_instructions(args.ic_jobs, args.rounds))
         print(json.dumps({"claim_complete_instructions": results["claim_complete_instructions"]}), flush=True)
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))
     return 0
 

@@ -107,6 +107,20 @@ def bench_server(dsn: str | None = None, extra: Sequence[str] = (), use_env: boo
         yield server
 
 
+@contextlib.contextmanager
+def env_or_embedded() -> Iterator[str]:
+    """PGLANE_DSN when it is set, else a throwaway embedded PostgreSQL (stopped at exit): the server of
+    the modules that make their own lanes in pglane's default database (rates, contention, bench.lab)."""
+    dsn = os.environ.get("PGLANE_DSN")
+    if dsn:
+        yield dsn
+        return
+    from pglane.embedded import embedded_postgres
+
+    with embedded_postgres() as embedded:
+        yield embedded
+
+
 def postgres_info(admin_dsn: str) -> dict[str, Any]:
     with psycopg.connect(admin_dsn, autocommit=True) as conn:
         version = conn.execute("SELECT version()").fetchone()

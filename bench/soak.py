@@ -1,4 +1,4 @@
-"""``python -m bench.soak [--jobs N] [--producers P] [--dsn DSN] [--out DIR] [--interval S] [--backlog B]``
+"""``python -m bench --only soak [--jobs N] [--producers P] [--dsn DSN] [--out DIR] [--interval S] [--backlog B]``
 
 A soak: one real worker (``python -m pglane worker soak --handler bench.handlers:noop``) runs N jobs
 (default 100,000) while P producer processes (default 4) enqueue them with ``pglane.enqueue``, one
@@ -47,7 +47,7 @@ from .stats import wait_until
 
 LANE = "soak"
 PRODUCER_APP = "soak producer"
-OUT = Path(__file__).resolve().parent / "results" / "soak"
+OUT = procs.RESULTS / "soak"
 HISTORY_TABLES = ("jobs", "attempts", "pruned_jobs")  # they keep a row per job (or prune): they may grow
 # Partial indexes that hold a row per finished job (history too): none since attempts_finished went.
 HISTORY_PARTIAL: tuple[str, ...] = ()
@@ -75,6 +75,8 @@ SELECT count(*), count(*) FILTER (WHERE application_name LIKE %s || '%%'),
        count(*) FILTER (WHERE application_name = %s)
   FROM pg_stat_activity
  WHERE datname = current_database() AND backend_type = 'client backend' AND pid <> pg_backend_pid()"""
+LOCK_SESSION_SQL = ("SELECT 1 FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND application_name LIKE %s || ' %%'")
 CLAIMS_SQL = ("SELECT c.last_seq FROM pglane.lane_counters c JOIN pglane.lanes l ON l.id = c.lane_id"
               " WHERE l.name = %s")
 QUEUED_SQL = "SELECT count(*) FROM (SELECT 1 FROM pglane.jobs WHERE lane = %s AND in_queue LIMIT %s) q"
@@ -247,8 +249,9 @@ def soak(dsn: str, *, jobs: int, producers: int, out: Path, interval: float = 3.
         epoch0 = row[0] if row else 0.0
         with procs.running(["-m", "pglane", "worker", LANE, "--handler", "bench.handlers:noop"],
                            out / "worker.log", {**env, "PGAPPNAME": WORKER_APP}) as worker:
-            wait_until(lambda: bool((conn.execute(SESSIONS_SQL, (WORKER_APP, PRODUCER_APP)).fetchone() or (0, 0))[1]),
-                             30, "the worker's session")
+            # its lock session, not merely a first connection that the worker may close before it takes the slot
+            wait_until(lambda: bool(conn.execute(LOCK_SESSION_SQL, (WORKER_APP,)).fetchone()), 30,
+                       "the worker's lock session")
             shares = [jobs // producers + (i < jobs % producers) for i in range(producers)]
             makers = [procs.spawn(["-m", "bench.soak", "--produce", str(n), "--backlog", str(backlog)],
                                   out / f"producer-{i}.log", env) for i, n in enumerate(shares)]
@@ -365,6 +368,7 @@ def plot(samples: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> 
 
 
 def write(samples: list[dict[str, Any]], summary: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "samples.json").write_text(json.dumps(samples) + "\n")
     flat = [{k: v for k, v in s.items() if not isinstance(v, dict)}
@@ -408,7 +412,7 @@ def run(dsn: str | None, *, jobs: int, producers: int, out: Path, interval: floa
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.soak",
+    p = argparse.ArgumentParser(prog="python -m bench --only soak",
                                 description="a worker through many jobs beside producers: does anything grow?")
     p.add_argument("--jobs", type=int, default=100_000)
     p.add_argument("--producers", type=int, default=4)

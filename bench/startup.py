@@ -1,7 +1,7 @@
 """What `pglane status` costs to start, against the least any Python client pays: a bare psycopg
 connect and one query (#29, item 5: at most about twice that).
 
-    python -m bench.startup --dsn DSN [--runs 15] [--warmup 2]
+    python -m bench --only startup --dsn DSN [--runs 15] [--warmup 2]
 
 Runs the two commands alternately, each as a fresh process (as hyperfine does), and prints each one's
 median and spread (quartiles) in seconds and the ratio of the medians. Both read the same DSN from
@@ -46,7 +46,7 @@ def measure(dsn: str, runs: int, warmup: int) -> dict[str, list[float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.startup", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench --only startup", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dsn", default=os.environ.get("PGLANE_DSN"), help="a migrated database (default: $PGLANE_DSN)")
     p.add_argument("--runs", type=int, default=15, help="timed runs of each command")

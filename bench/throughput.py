@@ -48,7 +48,6 @@ import psycopg
 from pglane import client
 
 from . import procs, real
-from .peers import Pgqueuer, Procrastinate
 from .pglane_runs import Pglane, load_queued, truncate
 from .server import BenchServer
 from .stats import BenchTimeout, Sizes, progress, rotations, summary, wait_until
@@ -76,6 +75,8 @@ def databases(slot_counts: tuple[int, ...]) -> list[str]:
 
 def setup(server: BenchServer, slot_counts: tuple[int, ...]) -> None:
     """pglane's lanes (the base databases are set up by the caller), the peers' extra databases."""
+    from .peers import Pgqueuer, Procrastinate  # the bench extra: imported where the peers run
+
     with client.connect(server.dsn("pglane")) as conn:
         for n in slot_counts:
             client.create_lane(conn, pglane_lane(n), slots=n)
@@ -271,6 +272,8 @@ def wait_idle(admin: psycopg.Connection[Any], dbname: str, like: str, sessions: 
 
 
 def groups(slot_counts: tuple[int, ...]) -> tuple[list[Group], list[FloorPool]]:
+    from .peers import Pgqueuer, Procrastinate  # the bench extra: imported where the peers run
+
     found: list[Group] = []
     pools = []
     for n in slot_counts:

@@ -1,4 +1,4 @@
-"""``python -m bench.scale --only instructions`` runs end to end: a single-user backend under valgrind's
+"""``python -m bench --only scale --only instructions`` runs end to end: a single-user backend under valgrind's
 callgrind drains jobs through complete_and_claim in two databases (with and without lane_status's
 counts), and what makes it worth having holds on any machine: the count repeats, round after round,
 where the seconds do not. No figure of speed is asserted."""
@@ -31,7 +31,7 @@ def test_instructions_per_job_repeat_round_after_round(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind (Debian's package valgrind)")
 def test_a_rate_limit_is_counted_in_instructions_and_costs_the_server_something(tmp_path: Path) -> None:
-    """``python -m bench.rates --only instructions``: the generous lane records every start (in the
+    """``python -m bench --only rates --only instructions``: the generous lane records every start (in the
     counters row's pending starts, moved into lane_starts every 32nd start), so it costs more than the
     unlimited lane, by a repeatable amount."""
     out = tmp_path / "rates.json"

@@ -1,4 +1,4 @@
-"""``python -m bench.failover`` runs end to end: one failover of a real primary and synchronous standby
+"""``python -m bench --only failover`` runs end to end: one failover of a real primary and synchronous standby
 with a real worker, its figures written as JSON. Speed is measured by the bench, never asserted here;
 only what must hold on any machine is: no job can start on the promoted standby before its promotion
 began."""

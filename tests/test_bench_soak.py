@@ -1,5 +1,5 @@
-"""bench.soak: a small soak against the suite's server (real worker, real producer), and the verdict
-rules on series built by hand (pure computation)."""
+"""``python -m bench --only soak`` (bench.soak): a small soak against the suite's server (real worker,
+real producer), and the verdict rules on series built by hand (pure computation)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``python -m bench.experiments [--quick] [--dsn DSN]... [--no-embedded] [--slots N ...] [--json FILE]``:
+"""``python -m bench.lab.experiments [--quick] [--dsn DSN]... [--no-embedded] [--slots N ...] [--json FILE]``:
 what the server version and the gapless seq cost, measured with floors (no worker) on every server.
 
 Not part of ``python -m bench``. Each server gets a database per variant of pglane's schema, made by
@@ -54,12 +54,12 @@ from psycopg import sql
 
 from pglane import client, schema
 
-from . import floors
-from .server import bench_server, postgres_info
-from .stats import Sizes, median_interval, progress, progress_done, rotations, summary
-from .throughput import FloorGroup, FloorPool, Group, floor_lane
+from .. import floors
+from ..procs import RESULTS
+from ..server import bench_server, postgres_info
+from ..stats import Sizes, median_interval, progress, progress_done, rotations, summary
+from ..throughput import FloorGroup, FloorPool, Group, floor_lane
 
-RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = ("exp_as_is", "exp_no_checks", "exp_seq_last", "exp_lock_first", "exp_no_token")
 BARE = ("floor_one_commit", "floor_plpgsql", "floor_seq", "floor_seq_flush")
 # (name, numerator, denominator): numerator/denominator, within each repetition, at each slot count
@@ -163,7 +163,8 @@ def setup(dsns: dict[str, str], slot_counts: Sequence[int]) -> dict[str, int]:
                 row = conn.execute("SELECT pg_get_functiondef(%s::regproc)", (function,)).fetchone()
                 rewritten = rewrite(str(row[0])) if row else None
                 if rewritten is None:
-                    raise RuntimeError(f"{function} is not of the shape {variant} rewrites: update bench.experiments")
+                    raise RuntimeError(f"{function} is not of the shape {variant} rewrites:"
+                                       " update bench.lab.experiments")
                 conn.execute(sql.SQL(rewritten))  # pglane's own function text, rewritten above
     floors.setup(dsns["floor"])
     return dropped
@@ -244,7 +245,7 @@ def markdown(block: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.experiments", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.lab.experiments", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--dsn", action="append", default=[])
     p.add_argument("--no-embedded", action="store_true")

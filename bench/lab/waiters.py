@@ -1,4 +1,4 @@
-"""What waiting for results costs the worker (#20): `python -m bench.waiters [--jobs N] [--rounds R]`.
+"""What waiting for results costs the worker (#20): `python -m bench.lab.waiters [--jobs N] [--rounds R]`.
 
 Protocol: a real `pglane worker` (bench.handlers:noop) drains N queued jobs of a fresh lane, in three
 cases run interleaved, round after round, so that machine noise hits each alike:
@@ -18,15 +18,9 @@ own embedded PostgreSQL (fsync on) unless PGLANE_DSN is set.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import statistics
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -35,27 +29,11 @@ from psycopg_pool import ConnectionPool
 import pglane
 from pglane import schema
 
-ROOT = Path(__file__).resolve().parent.parent
+from ..pglane_runs import drain, insert_jobs
+from ..server import env_or_embedded
+
 CASES = ("none", "others", "waiters100")
 WAITERS = 100
-
-
-@contextlib.contextmanager
-def database() -> Iterator[str]:
-    dsn = os.environ.get("PGLANE_DSN")
-    if dsn:
-        yield dsn
-        return
-    from pglane.embedded import embedded_postgres
-
-    with embedded_postgres() as embedded:
-        yield embedded
-
-
-def insert_jobs(conn: psycopg.Connection[Any], lane: str, n: int) -> list[int]:
-    rows = conn.execute("INSERT INTO pglane.jobs (lane, payload) SELECT %s, jsonb_build_object('n', g)"
-                        " FROM generate_series(1, %s) g RETURNING id", (lane, n)).fetchall()
-    return [int(r["id"]) for r in rows]
 
 
 def _awaited(conn: psycopg.Connection[Any], ids: list[int]) -> int:
@@ -74,29 +52,6 @@ def _start_waiters(pool: ConnectionPool[Any], ids: list[int], results: list[Any]
     for t in threads:
         t.start()
     return threads
-
-
-def drain(dsn: str, conn: psycopg.Connection[Any], lane: str, n: int) -> float:
-    """One real worker (bench.handlers:noop, --max-jobs n) drains n queued jobs of the lane: jobs per
-    second on the database clock, from the first start to the last finish."""
-    proc = subprocess.Popen([sys.executable, "-m", "pglane", "worker", lane, "--handler", "bench.handlers:noop",
-                             "--max-jobs", str(n)], env={**os.environ, "PGLANE_DSN": dsn}, cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        _, err = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    if proc.returncode != 0:
-        raise SystemExit(f"the worker on {lane} exited {proc.returncode}: {err.decode(errors='replace')[-2000:]}")
-    row = conn.execute("SELECT count(*) FILTER (WHERE status = 'done') AS done,"
-                       " extract(epoch FROM max(finished_at) - min(started_at))::float8 AS seconds"
-                       " FROM pglane.jobs WHERE lane = %s", (lane,)).fetchone()
-    assert row is not None
-    if row["done"] != n:
-        raise SystemExit(f"{lane}: {row['done']} of {n} jobs done")
-    return float(n / row["seconds"])
 
 
 def run_case(dsn: str, conn: psycopg.Connection[Any], case: str, name: str, n: int) -> float:
@@ -133,11 +88,11 @@ def run_case(dsn: str, conn: psycopg.Connection[Any], case: str, name: str, n: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.waiters", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.lab.waiters", description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=2000, help="jobs per run (default 2000)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of the three cases (default 5)")
     args = parser.parse_args(argv)
-    with database() as dsn:
+    with env_or_embedded() as dsn:
         schema.upgrade(dsn)
         figures: dict[str, list[float]] = {case: [] for case in CASES}
         ratios: dict[str, list[float]] = {case: [] for case in CASES}

@@ -4,7 +4,7 @@ backend per claim); revision 0009 gives each session a mark, a session advisory 
 claim (docs/managed.md). Server instructions per job (bench.callgrind: a single-user backend drains
 jobs through complete_and_claim), both revisions interleaved in one cluster.
 
-    python -m bench.identity [--rounds 3] [--jobs 300]
+    python -m bench.lab.identity [--rounds 3] [--jobs 300]
 """
 
 from __future__ import annotations
@@ -18,19 +18,19 @@ import psycopg
 
 from pglane import schema
 
-from . import callgrind
+from .. import callgrind
 
 BEFORE = "0008"
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.identity", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.lab.identity", description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per revision")
     p.add_argument("--jobs", type=int, default=300, help="jobs drained per round")
     args = p.parse_args(argv)
     missing = callgrind.available()
     if missing:
-        print(f"bench.identity: {missing}", file=sys.stderr)
+        print(f"bench.lab.identity: {missing}", file=sys.stderr)
         return 2
 
     def at(revision: str):  # type: ignore[no-untyped-def]

@@ -1,8 +1,8 @@
-"""What the attempt's secret costs the claim/complete path (#16): `python -m bench.secret [--rounds R] [--jobs N]`.
+"""What the attempt's secret costs the claim/complete path (#16): `python -m bench.lab.secret [--rounds R] [--jobs N]`.
 
 Protocol: one session holding a slot claims and completes jobs through pglane's own functions
 (claim, then complete_and_claim, as the worker does), in blocks of N, alternating round after round
-between pglane as installed and pglane without the secret (bench.experiments' exp_no_token rewrite:
+between pglane as installed and pglane without the secret (bench.lab.experiments' exp_no_token rewrite:
 the claim stores no token, complete's guard compares none), swapped in the same database by
 re-creating the two functions from their installed text, so that both cases run on the same tables,
 the same session and the same plan cache state. ``synchronous_commit = off`` for the session: with
@@ -25,10 +25,10 @@ from psycopg.rows import dict_row
 import pglane
 from pglane import queries, schema
 
+from ..pglane_runs import lane_id, load_queued
+from ..server import env_or_embedded
+from ..stats import median_interval, verdict
 from .experiments import no_token_claim, no_token_complete
-from .pglane_runs import lane_id, load_queued
-from .stats import median_interval, verdict
-from .waiters import database
 
 FUNCTIONS = ("pglane.claim_impl", "pglane.complete_impl")
 LANE = "secret"
@@ -73,11 +73,11 @@ def measure(dsn: str, rounds: int, jobs: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.secret", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.lab.secret", description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=20, help="rounds of the two cases (default 20)")
     parser.add_argument("--jobs", type=int, default=1500, help="claim/complete pairs per block (default 1500)")
     args = parser.parse_args(argv)
-    with database() as dsn:
+    with env_or_embedded() as dsn:
         schema.upgrade(dsn)
         found = measure(dsn, args.rounds, args.jobs)
     s, n = found["jobs_per_s"]["secret"], found["jobs_per_s"]["no_secret"]
