@@ -90,18 +90,22 @@ async def create_lane(
     max_result_bytes: int = 16 * 1024 * 1024,
     takeover: str = "immediate",
     rate: str | None = None,
+    key_retention: float = statements.DEFAULT_KEY_RETENTION,
+    group_slots: int | None = None,
 ) -> int:
     """See pglane.create_lane."""
     return await run(conn, statements.create_lane(
         name, slots=slots, job_timeout=job_timeout, lease_timeout=lease_timeout, max_attempts=max_attempts,
         max_queued=max_queued, waiting_grace=waiting_grace, max_payload_bytes=max_payload_bytes,
-        retry_backoff=retry_backoff, max_result_bytes=max_result_bytes, takeover=takeover, rate=rate))
+        retry_backoff=retry_backoff, max_result_bytes=max_result_bytes, takeover=takeover, rate=rate,
+        key_retention=key_retention, group_slots=group_slots))
 
 
 async def set_lane(conn: AsyncTarget, name: str, **settings: Any) -> str:
     """Change a lane while its workers run (pglane lane set): slots, job_timeout, lease_timeout (seconds),
     max_attempts, max_queued (None: unbounded), rate ('10/s'; None: unlimited), takeover, waiting_grace,
-    retry_backoff, max_payload_bytes, max_result_bytes. Validated as create_lane is; nothing changes
+    retry_backoff, max_payload_bytes, max_result_bytes, key_retention, group_slots. Validated as create_lane is;
+    nothing changes
     when any is refused. Returns what changed, and what it means for running workers."""
     return await run(conn, statements.set_lane(name, settings))
 
@@ -112,10 +116,12 @@ async def lanes(conn: AsyncTarget) -> list[Row]:
 
 @overload
 async def enqueue(conn: AsyncTarget, lane: str, payload: Any = ..., *, key: str | None = ...,
-                  run_after: datetime | None = ..., if_full: Literal["error"] = ..., cost: int = ...) -> int: ...
+                  run_after: datetime | None = ..., if_full: Literal["error"] = ..., cost: int = ...,
+            group: str | None = ..., priority: int = ...) -> int: ...
 @overload
 async def enqueue(conn: AsyncTarget, lane: str, payload: Any = ..., *, key: str | None = ...,
-                  run_after: datetime | None = ..., if_full: Literal["skip"], cost: int = ...) -> int | None: ...
+                  run_after: datetime | None = ..., if_full: Literal["skip"], cost: int = ...,
+            group: str | None = ..., priority: int = ...) -> int | None: ...
 async def enqueue(
     conn: AsyncTarget,
     lane: str,
@@ -125,10 +131,12 @@ async def enqueue(
     run_after: datetime | None = None,
     if_full: Literal["error", "skip"] = "error",
     cost: int = 1,
+    group: str | None = None,
+    priority: int = 0,
 ) -> int | None:
     """See pglane.enqueue."""
     return await run(conn, statements.enqueue(lane, payload, key=key, run_after=run_after, if_full=if_full,
-                                                 cost=cost))
+                                                 cost=cost, group=group, priority=priority))
 
 
 async def lane_status(conn: AsyncTarget) -> list[Row]:
@@ -140,8 +148,13 @@ async def job_status(conn: AsyncTarget, job_id: int) -> Row:
 
 
 async def jobs(conn: AsyncTarget, *, lane: str | None = None, status: str | None = None,
-               limit: int | None = 50) -> list[Row]:
-    return await run(conn, statements.jobs(lane=lane, status=status, limit=limit))
+               limit: int | None = 50, group: str | None = None) -> list[Row]:
+    return await run(conn, statements.jobs(lane=lane, status=status, limit=limit, group=group))
+
+
+async def group_status(conn: AsyncTarget, lane: str, limit: int | None = 20) -> list[Row]:
+    """See pglane.group_status."""
+    return await run(conn, statements.group_status(lane, limit))
 
 
 async def attempts(conn: AsyncTarget, job_id: int) -> list[Row]:

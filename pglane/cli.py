@@ -31,6 +31,8 @@ EXIT_WAIT_TIMEOUT = 4  # enqueue --wait --timeout S: the job had not finished (i
 EXIT_PRUNED = 6  # enqueue: the key belonged to a job that was pruned (JobPruned): nothing was written
 KEY_RETENTION_HELP = ("how long a pruned job's idempotency key is remembered: the same key then gets the pruned "
                       "job's id (exit 6), never a second paid call")
+GROUP_SLOTS_HELP = ("at most N jobs of one group (a job's --group) run at once, cluster-wide; a job whose group is "
+                    "full is passed over for another group's")
 LANE_NAME_RULE = "a lowercase letter, then up to 47 lowercase letters, digits, '_' or '-'"
 
 EPILOG = """durations: a number and a unit, or several: 250ms, 90s, 10m, 1h30m, 7d (a bare number is seconds,
@@ -181,6 +183,7 @@ def _lane_commands(command: Callable[..., argparse.ArgumentParser]) -> Any:
                         help="pause before a failed job's next attempt (with --max-attempts above 1)")
     create.add_argument("--rate", help=RATE_HELP + " (default: unlimited)")
     create.add_argument("--key-retention", type=_duration0, default="30d", help=KEY_RETENTION_HELP)
+    create.add_argument("--group-slots", type=_count_or_none, help=GROUP_SLOTS_HELP + " (default: none)")
     change = command("set", "change a lane while its workers run (each setting from its next use)", lane)
     change.add_argument("name", help="the lane to change")
     change.add_argument("--slots", type=int, help="consumer slots, cluster-wide")
@@ -196,6 +199,8 @@ def _lane_commands(command: Callable[..., argparse.ArgumentParser]) -> Any:
     change.add_argument("--waiting-grace", type=_duration0, help="queued this long with no worker: shown waiting")
     change.add_argument("--retry-backoff", type=_duration0, help="pause before a failed job's next attempt")
     change.add_argument("--key-retention", type=_duration0, help=KEY_RETENTION_HELP)
+    change.add_argument("--group-slots", type=_count_or_none, default=argparse.SUPPRESS,
+                        help=GROUP_SLOTS_HELP + "; none removes it")
     command("list", "every lane and its settings", lane)
     shown = command("show", "one lane: its settings, what it holds now and the next safe action", lane)
     shown.add_argument("name", help="the lane to show")
@@ -213,6 +218,9 @@ def _work_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
     enq.add_argument("payload", type=_payload, help="a JSON object or array")
     enq.add_argument("--key", help="idempotency key: the same key returns the same job")
     enq.add_argument("--cost", type=int, default=1, help="what the job's start counts against its lane's rate limit")
+    enq.add_argument("--group", help="the tenant the job belongs to (at most 255 characters): the lane's "
+                     "--group-slots limits each group, and groups are served in turn")
+    enq.add_argument("--priority", type=int, default=0, help="a higher priority starts first (default 0)")
     enq.add_argument("--if-full", choices=("error", "skip"), default="error",
                      help="on a full bounded lane: an error, or skip: exit 3, nothing written, no ERROR in the "
                      "server's log")
@@ -248,11 +256,14 @@ def _work_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
 
 def _operator_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
     """status, jobs, show, retry, cancel, release-lease, recover, prune, check: what operators run."""
-    command("status", "one row per lane, with the next safe action")
+    st = command("status", "one row per lane, with the next safe action")
+    st.add_argument("--groups", metavar="LANE", help="instead: LANE's groups, the deepest queue first")
+    st.add_argument("--limit", type=int, default=20, help="with --groups: at most this many groups (0: all)")
 
     js = command("jobs", "list jobs: queued ones first, in service order, then the newest")
     js.add_argument("--lane", help="only this lane's jobs")
     js.add_argument("--status", choices=JOB_STATUSES, help="only jobs with this status")
+    js.add_argument("--group", help="only this group's jobs")
     js.add_argument("--limit", type=int, default=50, help="at most this many jobs (0: all)")
 
     sh = command("show", "one job, its attempts and the next safe action")
@@ -460,7 +471,12 @@ def _command(conn: Any, args: argparse.Namespace) -> int:
         return run(conn, args)
     if cmd == "enqueue":
         return _enqueue(conn, args)
-    if cmd == "status":
+    if cmd == "status" and args.groups is not None:
+        rows = client.group_status(conn, args.groups, args.limit or None)
+        print(to_json(rows) if args.json else table(rows, (
+            "group_key", "queued", "running", "oldest_wait", "served_last")) if rows else
+            f"lane {args.groups} has no queued or running jobs")
+    elif cmd == "status":
         rows = client.lane_status(conn)
         print(to_json(rows) if args.json else table(rows, (
             "lane", "slots", "consumers", "queued", "running", "done", "failed", "cancelled",
@@ -468,9 +484,9 @@ def _command(conn: Any, args: argparse.Namespace) -> int:
     elif cmd == "jobs":
         limit = args.limit or None  # 0: every job
         if args.json:  # streamed: a row is written as it comes, the listing is never held whole
-            json_stream(client.iter_jobs(conn, lane=args.lane, status=args.status, limit=limit))
+            json_stream(client.iter_jobs(conn, lane=args.lane, status=args.status, limit=limit, group=args.group))
         else:
-            rows = client.jobs(conn, lane=args.lane, status=args.status, limit=limit)
+            rows = client.jobs(conn, lane=args.lane, status=args.status, limit=limit, group=args.group)
             print(table(rows, ("job_id", "lane", "status", "created_at", "queue_position", "attempts",
                                "next_safe_action")))
     elif cmd == "show":
@@ -495,7 +511,8 @@ def _enqueue(conn: Any, args: argparse.Namespace) -> int:
     if args.timeout is not None and not args.wait:
         raise ConfigurationError("--timeout is how long --wait waits: add --wait, or drop --timeout")
     try:
-        job = client.enqueue(conn, args.lane, args.payload, key=args.key, if_full=args.if_full, cost=args.cost)
+        job = client.enqueue(conn, args.lane, args.payload, key=args.key, if_full=args.if_full, cost=args.cost,
+                             group=args.group, priority=args.priority)
     except JobPruned as exc:  # the request was served once: never paid for again by a repeated key
         if args.json:
             print(to_json({"job_id": exc.job_id, "pruned": True}))

@@ -25,7 +25,7 @@ SETTINGS = (
     ("max-queued", "max_queued", "count"), ("rate", "rate", "text"), ("takeover", "takeover", "text"),
     ("max-result-bytes", "max_result_bytes", "count"), ("max-payload-bytes", "max_payload_bytes", "count"),
     ("waiting-grace", "waiting_grace", "duration"), ("retry-backoff", "retry_backoff", "duration"),
-    ("key-retention", "key_retention", "duration"),
+    ("key-retention", "key_retention", "duration"), ("group-slots", "group_slots", "count"),
 )
 _PERIODS = {1.0: "s", 60.0: "min", 3600.0: "h", 86400.0: "d"}
 
@@ -66,7 +66,8 @@ def create(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
                        lease_timeout=args.lease_timeout, max_attempts=args.max_attempts,
                        max_queued=args.max_queued, max_result_bytes=args.max_result_bytes,
                        waiting_grace=args.waiting_grace, retry_backoff=args.retry_backoff,
-                       takeover=args.takeover.replace("-", "_"), rate=args.rate, key_retention=args.key_retention)
+                       takeover=args.takeover.replace("-", "_"), rate=args.rate, key_retention=args.key_retention,
+                       group_slots=args.group_slots)
     lane = one(conn, args.name)
     print(to_json(lane) if args.json else f"lane {args.name} created:\n{settings_text(lane)}")
     return 0
@@ -74,7 +75,7 @@ def create(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
 
 def changes(args: argparse.Namespace) -> dict[str, Any]:
     """The settings `lane set` was given, as set_lane names them (a given 'none' removes max_queued or
-    the rate)."""
+    the rate, or group_slots)."""
     found = {name: getattr(args, name) for name in ("slots", "job_timeout", "lease_timeout", "max_attempts",
                                                     "max_result_bytes", "waiting_grace", "retry_backoff",
                                                     "key_retention")
@@ -83,8 +84,9 @@ def changes(args: argparse.Namespace) -> dict[str, Any]:
         found["takeover"] = args.takeover.replace("-", "_")
     if args.rate is not None:
         found["rate"] = None if args.rate.strip().lower() == "none" else args.rate
-    if hasattr(args, "max_queued"):  # absent unless given; given none, it is None
-        found["max_queued"] = args.max_queued
+    for name in ("max_queued", "group_slots"):  # absent unless given; given none, it is None
+        if hasattr(args, name):
+            found[name] = getattr(args, name)
     if not found:
         raise ConfigurationError("lane set: give at least one setting to change, e.g. --rate 60/min or --slots 3")
     return found

@@ -138,20 +138,23 @@ def create_lane(
     takeover: str = "immediate",
     rate: str | None = None,
     key_retention: float = statements.DEFAULT_KEY_RETENTION,
+    group_slots: int | None = None,
 ) -> int:
     """Create a lane and return its id. With no lease_timeout, it is 10 % longer than job_timeout.
-    ``key_retention``: seconds a pruned job's idempotency key is remembered (30 days)."""
+    ``key_retention``: seconds a pruned job's idempotency key is remembered (30 days). ``group_slots``:
+    at most this many jobs of one group run at once, cluster-wide (None: no limit)."""
     return run(conn, statements.create_lane(
         name, slots=slots, job_timeout=job_timeout, lease_timeout=lease_timeout, max_attempts=max_attempts,
         max_queued=max_queued, waiting_grace=waiting_grace, max_payload_bytes=max_payload_bytes,
         retry_backoff=retry_backoff, max_result_bytes=max_result_bytes, takeover=takeover, rate=rate,
-        key_retention=key_retention))
+        key_retention=key_retention, group_slots=group_slots))
 
 
 def set_lane(conn: Target, name: str, **settings: Any) -> str:
     """Change a lane while its workers run (pglane lane set): slots, job_timeout, lease_timeout (seconds),
     max_attempts, max_queued (None: unbounded), rate ('10/s'; None: unlimited), takeover, waiting_grace,
-    retry_backoff, max_payload_bytes, max_result_bytes, key_retention. Validated as create_lane is; nothing changes
+    retry_backoff, max_payload_bytes, max_result_bytes, key_retention, group_slots (None: no limit). Validated as
+    create_lane is; nothing changes
     when any is refused. Returns what changed, and what it means for running workers."""
     return run(conn, statements.set_lane(name, settings))
 
@@ -162,10 +165,12 @@ def lanes(conn: Target) -> list[Row]:
 
 @overload
 def enqueue(conn: Target, lane: str, payload: Any = ..., *, key: str | None = ...,
-            run_after: datetime | None = ..., if_full: Literal["error"] = ..., cost: int = ...) -> int: ...
+            run_after: datetime | None = ..., if_full: Literal["error"] = ..., cost: int = ...,
+            group: str | None = ..., priority: int = ...) -> int: ...
 @overload
 def enqueue(conn: Target, lane: str, payload: Any = ..., *, key: str | None = ...,
-            run_after: datetime | None = ..., if_full: Literal["skip"], cost: int = ...) -> int | None: ...
+            run_after: datetime | None = ..., if_full: Literal["skip"], cost: int = ...,
+            group: str | None = ..., priority: int = ...) -> int | None: ...
 def enqueue(
     conn: Target,
     lane: str,
@@ -175,14 +180,19 @@ def enqueue(
     run_after: datetime | None = None,
     if_full: Literal["error", "skip"] = "error",
     cost: int = 1,
+    group: str | None = None,
+    priority: int = 0,
 ) -> int | None:
     """Add a job and return its id; the same key returns the existing job (see pglane.enqueue). A
     payload is a JSON object or array; given none, it is ``{}``; ``None`` is refused like any scalar.
     On a full bounded lane: LaneFull (``if_full="error"``), or None with nothing written and no error
     in the server's log (``if_full="skip"``: for producers that retry anyway). ``cost`` (at least 1)
-    is what the job's start counts against its lane's rate limit; more than the rate allows is refused."""
+    is what the job's start counts against its lane's rate limit; more than the rate allows is refused.
+    ``group`` (at most 255 characters) is the tenant the job belongs to: its lane's ``group_slots``
+    limits how many of a group run at once, and groups are served in turn. ``priority``: a higher one
+    starts first (default 0)."""
     return run(conn, statements.enqueue(lane, payload, key=key, run_after=run_after, if_full=if_full,
-                                                 cost=cost))
+                                                 cost=cost, group=group, priority=priority))
 
 
 def lane_status(conn: Target) -> list[Row]:
@@ -193,19 +203,25 @@ def job_status(conn: Target, job_id: int) -> Row:
     return run(conn, statements.job_status(job_id))
 
 
-def jobs(conn: Target, *, lane: str | None = None, status: str | None = None, limit: int | None = 50) -> list[Row]:
+def jobs(conn: Target, *, lane: str | None = None, status: str | None = None, limit: int | None = 50,
+         group: str | None = None) -> list[Row]:
     """Jobs as `pglane jobs` lists them (queued ones first, in service order); limit None: all of them."""
-    return run(conn, statements.jobs(lane=lane, status=status, limit=limit))
+    return run(conn, statements.jobs(lane=lane, status=status, limit=limit, group=group))
+
+
+def group_status(conn: Target, lane: str, limit: int | None = 20) -> list[Row]:
+    """A lane's groups, the deepest queue first: queued, running, oldest wait, served last (limit None: all)."""
+    return run(conn, statements.group_status(lane, limit))
 
 
 def iter_jobs(conn: psycopg.Connection[Any], *, lane: str | None = None, status: str | None = None,
-              limit: int | None = None, batch: int = 1000) -> Iterator[Row]:
+              limit: int | None = None, batch: int = 1000, group: str | None = None) -> Iterator[Row]:
     """The rows of jobs(), fetched `batch` at a time through a server-side cursor, so that listing
     100,000 jobs never holds them all in memory. The cursor lives in a transaction of its own on
     `conn` (one snapshot for the whole listing), which ends when the iteration does."""
     with translated(), conn.transaction(), conn.cursor("pglane_jobs", row_factory=dict_row) as cur:
         cur.itersize = batch
-        cur.execute(queries.JOBS, {"lane": lane, "status": status, "limit": limit})
+        cur.execute(queries.JOBS, {"lane": lane, "status": status, "limit": limit, "group": group})
         yield from cur
 
 

@@ -5,7 +5,7 @@ No statement is built from user input: lane names, payloads and keys are always 
 
 from typing import LiteralString
 
-ENQUEUE: LiteralString = "SELECT pglane.enqueue(%s, %s::jsonb, %s, %s, %s, %s)"
+ENQUEUE: LiteralString = "SELECT pglane.enqueue(%s, %s::jsonb, %s, %s, %s, %s, %s, %s)"
 CLAIM: LiteralString = "SELECT * FROM pglane.claim(%s, %s)"
 CLAIM_OR_WAIT: LiteralString = "SELECT * FROM pglane.claim_or_wait(%s, %s)"  # the worker's: always a row
 # An outcome carries the attempt's token (claim() returned it): any session holding it may write.
@@ -38,10 +38,10 @@ SET_LANE: LiteralString = "SELECT pglane.set_lane(%s, %s::jsonb) AS note"
 CREATE_LANE: LiteralString = (
     "INSERT INTO pglane.lanes (name, slots, job_timeout, lease_timeout, max_attempts, max_queued,"
     " waiting_grace, max_payload_bytes, retry_backoff, max_result_bytes, takeover, rate_limit, rate_period,"
-    " key_retention)"
+    " key_retention, group_slots)"
     " SELECT %s, %s, make_interval(secs => %s), make_interval(secs => %s), %s, %s,"
     " make_interval(secs => %s), %s, make_interval(secs => %s), %s, %s, r.rate_limit, r.rate_period,"
-    " make_interval(secs => %s)"
+    " make_interval(secs => %s), %s"
     " FROM pglane.parse_rate(coalesce(%s, 'none')) r RETURNING id"
 )
 
@@ -57,10 +57,10 @@ JOB_STATUS: LiteralString = "SELECT * FROM pglane.job_status WHERE job_id = %s"
 JOB_COLUMNS: LiteralString = (
     "s.job_id, s.lane, s.status, s.created_at, s.run_after, s.started_at, s.finished_at, s.waiting_for_worker,"
     " p.queue_position, s.attempts, s.seq, s.idempotency_key, s.last_error, s.attempt_id, s.attempt_status,"
-    " s.next_safe_action, s.result, s.enqueued_by"
+    " s.next_safe_action, s.result, s.enqueued_by, s.group_key, s.priority"
 )
-JOBS: LiteralString = (  # queued jobs first, in the order they will be served (eligible ones by created_at
-    # and id, then scheduled ones by run_after); the rest newest first. The positions come from one ordered
+JOBS: LiteralString = (  # queued jobs first, in the order they will be served (eligible ones in service
+    # order, then scheduled ones by run_after); the rest newest first. The positions come from one ordered
     # pass over the queue (pglane.queue_positions), not one count per listed row, so listing N queued jobs
     # costs O(N); job_status's own queue_position is not named, so it is never computed. Not read at all
     # when the listing asks for jobs that are not queued.
@@ -68,9 +68,8 @@ JOBS: LiteralString = (  # queued jobs first, in the order they will be served (
     " LEFT JOIN (SELECT * FROM pglane.queue_positions(%(lane)s)"
     "             WHERE coalesce(%(status)s::text, 'queued') = 'queued') p ON p.job_id = s.job_id"
     " WHERE (%(lane)s::text IS NULL OR s.lane = %(lane)s) AND (%(status)s::text IS NULL OR s.status = %(status)s)"
-    " ORDER BY s.status <> 'queued', (s.status = 'queued' AND s.run_after > now()),"
-    " CASE WHEN s.status = 'queued' AND s.run_after > now() THEN s.run_after END,"
-    " CASE WHEN s.status = 'queued' THEN s.created_at END, CASE WHEN s.status = 'queued' THEN s.job_id END,"
+    " AND (%(group)s::text IS NULL OR s.group_key = %(group)s)"
+    " ORDER BY s.status <> 'queued', CASE WHEN s.status = 'queued' THEN p.queue_position END,"
     " s.job_id DESC LIMIT %(limit)s"
 )
 ATTEMPTS: LiteralString = (
@@ -89,6 +88,9 @@ QUEUE_GAUGES: LiteralString = (
     " FROM pglane.jobs WHERE lane = %(lane)s AND in_queue"
 )
 
+# A lane's groups (tenants), the deepest queues first: queued, running, oldest wait, served last.
+GROUP_STATUS: LiteralString = "SELECT * FROM pglane.group_status(%s, %s)"
+
 # Waiting for a job's result (pglane.waiting): mark the job awaited (its completion then notifies
 # DONE_CHANNEL with its id) and read where it is, in one statement; a pruned job's row says so.
 AWAIT_JOB: LiteralString = "SELECT * FROM pglane.await_job(%s)"
@@ -104,7 +106,7 @@ LANE_SETTINGS: LiteralString = (
     " rate_limit, extract(epoch FROM rate_period)::float8 AS rate_period,"
     " max_result_bytes, max_payload_bytes, extract(epoch FROM waiting_grace)::float8 AS waiting_grace,"
     " extract(epoch FROM retry_backoff)::float8 AS retry_backoff,"
-    " extract(epoch FROM key_retention)::float8 AS key_retention, created_at"
+    " extract(epoch FROM key_retention)::float8 AS key_retention, group_slots, created_at"
     " FROM pglane.lanes WHERE %(name)s::text IS NULL OR name = %(name)s ORDER BY name"
 )
 # `pglane lane delete`: in one transaction, the lane's row locked first (an enqueue's foreign key check

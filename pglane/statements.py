@@ -87,14 +87,14 @@ DEFAULT_KEY_RETENTION = 30 * 86400.0  # seconds a pruned job's idempotency key i
 def create_lane(name: str, *, slots: int, job_timeout: float, lease_timeout: float | None, max_attempts: int,
                 max_queued: int | None, waiting_grace: float, max_payload_bytes: int, retry_backoff: float,
                 max_result_bytes: int, takeover: str, rate: str | None = None,
-                key_retention: float = DEFAULT_KEY_RETENTION) -> Plan[int]:
+                key_retention: float = DEFAULT_KEY_RETENTION, group_slots: int | None = None) -> Plan[int]:
     lease = timing.default_lease_timeout(job_timeout) if lease_timeout is None else lease_timeout
     for label, value in (("job_timeout", job_timeout), ("lease_timeout", lease)):
         if not math.isfinite(value):
             raise ConfigurationError(f"{label} must be a finite number of seconds")
     row = yield Query(queries.CREATE_LANE, (name, slots, job_timeout, lease, max_attempts, max_queued, waiting_grace,
                                             max_payload_bytes, retry_backoff, max_result_bytes, takeover,
-                                            key_retention, rate))
+                                            key_retention, group_slots, rate))
     return int(row["id"])
 
 
@@ -109,9 +109,10 @@ def lanes() -> Plan[list[Row]]:
 
 
 def enqueue(lane: str, payload: Any, *, key: str | None, run_after: datetime | None,
-            if_full: Literal["error", "skip"], cost: int = 1) -> Plan[int | None]:
+            if_full: Literal["error", "skip"], cost: int = 1, group: str | None = None,
+            priority: int = 0) -> Plan[int | None]:
     text = "{}" if payload is _EMPTY else payload_json(payload)
-    row = yield Query(queries.ENQUEUE, (lane, text, key, run_after, if_full, cost))
+    row = yield Query(queries.ENQUEUE, (lane, text, key, run_after, if_full, cost, group, priority))
     return None if row["enqueue"] is None else int(row["enqueue"])
 
 
@@ -126,8 +127,13 @@ def job_status(job_id: int) -> Plan[Row]:
     return row  # type: ignore[no-any-return]
 
 
-def jobs(*, lane: str | None, status: str | None, limit: int | None) -> Plan[list[Row]]:
-    return (yield Query(queries.JOBS, {"lane": lane, "status": status, "limit": limit}, rows="all"))  # type: ignore[no-any-return]
+def jobs(*, lane: str | None, status: str | None, limit: int | None, group: str | None = None) -> Plan[list[Row]]:
+    params = {"lane": lane, "status": status, "limit": limit, "group": group}
+    return (yield Query(queries.JOBS, params, rows="all"))  # type: ignore[no-any-return]
+
+
+def group_status(lane: str, limit: int | None) -> Plan[list[Row]]:
+    return (yield Query(queries.GROUP_STATUS, (lane, limit), rows="all"))  # type: ignore[no-any-return]
 
 
 def attempts(job_id: int) -> Plan[list[Row]]:

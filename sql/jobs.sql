@@ -45,10 +45,12 @@ DECLARE
     v_rate      integer;
     v_period    interval;
     v_weighted  boolean;
+    v_lane_id   integer;
 BEGIN
     -- FOR KEY SHARE, as the foreign key's check takes anyway: a set_lane lowering the rate holds the
     -- row FOR UPDATE until it commits, and this read then sees the new rate (lanes.sql, set_lane).
-    SELECT l.max_payload_bytes, l.rate_limit, l.rate_period, l.weighted INTO v_max_bytes, v_rate, v_period, v_weighted
+    SELECT l.max_payload_bytes, l.rate_limit, l.rate_period, l.weighted, l.id
+      INTO v_max_bytes, v_rate, v_period, v_weighted, v_lane_id
       FROM pglane.lanes l WHERE l.name = NEW.lane FOR KEY SHARE;
     IF NOT FOUND THEN
         RAISE EXCEPTION USING ERRCODE = 'PGL01',
@@ -59,7 +61,8 @@ BEGIN
        OR NEW.started_at IS NOT NULL OR NEW.finished_at IS NOT NULL OR NEW.result IS NOT NULL THEN
         RAISE EXCEPTION USING ERRCODE = 'PGL10',
             MESSAGE = 'a new job must be inserted queued',
-            HINT = 'insert only lane, payload, idempotency_key, run_after and cost; pglane sets the rest';
+            HINT = 'insert only lane, payload, idempotency_key, run_after, cost, group_key and priority; '
+                   'pglane sets the rest';
     END IF;
     IF NEW.payload IS NULL OR jsonb_typeof(NEW.payload) NOT IN ('object', 'array') THEN
         RAISE EXCEPTION USING ERRCODE = 'PGL02',
@@ -114,6 +117,8 @@ BEGIN
     IF NEW.cost > 1 AND NOT v_weighted THEN
         UPDATE pglane.lanes l SET weighted = true WHERE l.name = NEW.lane AND NOT l.weighted;
     END IF;
+    NEW.priority := coalesce(NEW.priority, 0);
+    NEW.fair_rank := pglane.fair_rank(v_lane_id, NEW.lane, NEW.group_key);  -- its round (groups.sql)
     NEW.created_at := now();  -- service order is the server's, not the client's
     NEW.enqueued_by := pglane.caller();  -- producers see their own jobs only
     NEW.run_after := coalesce(NEW.run_after, NEW.created_at);
@@ -125,7 +130,8 @@ CREATE TRIGGER jobs_before_insert BEFORE INSERT ON pglane.jobs
     FOR EACH ROW EXECUTE FUNCTION pglane.jobs_before_insert();
 
 -- enqueue: add a job and return its id (p_if_full 'skip': NULL when the bounded lane is full, nothing
--- written, no error; p_cost: what its start counts against the lane's rate). The same key again returns the existing job's id, whatever
+-- written, no error; p_cost: what its start counts against the lane's rate; p_group: the tenant it
+-- belongs to, p_priority: higher first, groups.sql). The same key again returns the existing job's id, whatever
 -- its status, and writes nothing; the same key with another payload is an error. A concurrent twin
 -- waits on the unique index for the first insert to commit, then finds it. A key another login
 -- enqueued is refused alike whatever the payload (PGL05), so that the answer reveals nothing of that
@@ -137,7 +143,9 @@ CREATE OR REPLACE FUNCTION pglane.enqueue(
     p_idempotency_key text DEFAULT NULL,
     p_run_after timestamptz DEFAULT NULL,
     p_if_full text DEFAULT 'error',
-    p_cost integer DEFAULT 1
+    p_cost integer DEFAULT 1,
+    p_group text DEFAULT NULL,
+    p_priority integer DEFAULT 0
 ) RETURNS bigint
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
@@ -161,8 +169,8 @@ BEGIN
             RETURN NULL;
         END IF;
     END IF;
-    INSERT INTO pglane.jobs AS j (lane, payload, idempotency_key, run_after, cost)
-    VALUES (p_lane, p_payload, p_idempotency_key, p_run_after, p_cost)
+    INSERT INTO pglane.jobs AS j (lane, payload, idempotency_key, run_after, cost, group_key, priority)
+    VALUES (p_lane, p_payload, p_idempotency_key, p_run_after, p_cost, p_group, p_priority)
     ON CONFLICT (lane, idempotency_key) DO NOTHING
     RETURNING j.id INTO v_id;
     IF v_id IS NOT NULL THEN

@@ -102,14 +102,73 @@ DROP TRIGGER IF EXISTS lanes_after_delete ON pglane.lanes;
 CREATE TRIGGER lanes_after_delete AFTER DELETE ON pglane.lanes
     FOR EACH ROW EXECUTE FUNCTION pglane.lanes_after_delete();
 
+-- lane_with: lane p_old with p_settings applied (set_lane's names and forms, below), validated as to
+-- its keys and the form of each value; the lanes CHECKs validate the values when the row is written.
+CREATE OR REPLACE FUNCTION pglane.lane_with(p_old pglane.lanes, p_settings jsonb) RETURNS pglane.lanes
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_new  pglane.lanes := p_old;
+    v_key  text;
+    v_rate record;
+    v_keys CONSTANT text[] := ARRAY['slots', 'job_timeout', 'lease_timeout', 'max_attempts', 'max_queued', 'rate',
+                                    'takeover', 'waiting_grace', 'retry_backoff', 'max_payload_bytes',
+                                    'max_result_bytes', 'key_retention', 'group_slots'];
+    v_removable CONSTANT text[] := ARRAY['max_queued', 'rate', 'group_slots'];
+BEGIN
+    IF p_settings IS NULL OR jsonb_typeof(p_settings) <> 'object' OR p_settings = '{}' THEN
+        RAISE EXCEPTION USING ERRCODE = 'PGL10', MESSAGE = 'no settings to change',
+            HINT = 'give an object of settings, e.g. {"slots": 3, "rate": "60/min"}';
+    END IF;
+    FOR v_key IN SELECT jsonb_object_keys(p_settings) LOOP
+        IF v_key <> ALL (v_keys) THEN
+            RAISE EXCEPTION USING ERRCODE = 'PGL10', MESSAGE = format('unknown lane setting %L', v_key),
+                HINT = 'settings: ' || array_to_string(v_keys, ', ');
+        END IF;
+        IF jsonb_typeof(p_settings -> v_key) = 'null' AND v_key <> ALL (v_removable) THEN
+            RAISE EXCEPTION USING ERRCODE = 'PGL10', MESSAGE = format('lane setting %s cannot be removed', v_key),
+                HINT = 'give it a value; only ' || array_to_string(v_removable, ', ') || ' can be none';
+        END IF;
+    END LOOP;
+    BEGIN
+        v_new.slots := coalesce((p_settings ->> 'slots')::integer, p_old.slots);
+        v_new.max_attempts := coalesce((p_settings ->> 'max_attempts')::integer, p_old.max_attempts);
+        v_new.max_payload_bytes := coalesce((p_settings ->> 'max_payload_bytes')::integer, p_old.max_payload_bytes);
+        v_new.max_result_bytes := coalesce((p_settings ->> 'max_result_bytes')::integer, p_old.max_result_bytes);
+        v_new.job_timeout := coalesce((p_settings ->> 'job_timeout')::interval, p_old.job_timeout);
+        v_new.lease_timeout := coalesce((p_settings ->> 'lease_timeout')::interval, p_old.lease_timeout);
+        v_new.waiting_grace := coalesce((p_settings ->> 'waiting_grace')::interval, p_old.waiting_grace);
+        v_new.retry_backoff := coalesce((p_settings ->> 'retry_backoff')::interval, p_old.retry_backoff);
+        v_new.key_retention := coalesce((p_settings ->> 'key_retention')::interval, p_old.key_retention);
+        IF p_settings ? 'max_queued' THEN
+            v_new.max_queued := (p_settings ->> 'max_queued')::integer;
+        END IF;
+        IF p_settings ? 'group_slots' THEN
+            v_new.group_slots := (p_settings ->> 'group_slots')::integer;
+        END IF;
+    EXCEPTION WHEN invalid_text_representation OR numeric_value_out_of_range OR invalid_datetime_format
+                   OR datetime_field_overflow OR interval_field_overflow THEN
+        RAISE EXCEPTION USING ERRCODE = 'PGL10', MESSAGE = format('lane settings %s: %s', p_settings, SQLERRM),
+            HINT = 'counts are whole numbers; timeouts are seconds or intervals such as ''10 minutes''';
+    END;
+    v_new.takeover := coalesce(replace(p_settings ->> 'takeover', '-', '_'), p_old.takeover);
+    IF p_settings ? 'rate' THEN
+        SELECT * INTO v_rate FROM pglane.parse_rate(coalesce(p_settings ->> 'rate', 'none'));
+        v_new.rate_limit := v_rate.rate_limit;
+        v_new.rate_period := v_rate.rate_period;
+    END IF;
+    RETURN v_new;
+END $$;
+
 -- set_lane: change lane p_lane's settings while its workers run; effective at each setting's next use
--- (the next claim for slots, rate and takeover; each new attempt for the timeouts: a running attempt
--- keeps the lease it was given). p_settings names what changes: slots, job_timeout, lease_timeout
--- (seconds, or an interval such as '10 minutes'), max_attempts, max_queued (null: unbounded),
--- rate ('10/s', null or 'none': unlimited), takeover, waiting_grace, retry_backoff, max_payload_bytes,
--- max_result_bytes, key_retention (how long a pruned job's key is remembered). Validated as lane create is (the lanes CHECKs, R1 among them); a lowered rate is
--- refused while a queued job costs more than it allows (that job could never start). Returns what
--- changed and what it means for running workers. Nothing changes when anything is refused.
+-- (the next claim for slots, rate, takeover and group_slots; each new attempt for the timeouts: a
+-- running attempt keeps the lease it was given). p_settings names what changes: slots, job_timeout,
+-- lease_timeout (seconds, or an interval such as '10 minutes'), max_attempts, max_queued (null:
+-- unbounded), rate ('10/s', null or 'none': unlimited), takeover, waiting_grace, retry_backoff,
+-- max_payload_bytes, max_result_bytes, key_retention (how long a pruned job's key is remembered),
+-- group_slots (null: no limit per group). Validated as lane create is (the lanes CHECKs, R1 among
+-- them); a lowered rate is refused while a queued job costs more than it allows (that job could never
+-- start). Returns what changed and what it means for running workers. Nothing changes when anything
+-- is refused.
 CREATE OR REPLACE FUNCTION pglane.set_lane(p_lane text, p_settings jsonb) RETURNS text
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
@@ -117,8 +176,6 @@ AS $$
 DECLARE
     v_old    pglane.lanes;
     v_new    pglane.lanes;
-    v_key    text;
-    v_rate   record;
     v_cost   integer;
     v_note   text := '';
     v_over   text;
@@ -131,47 +188,8 @@ BEGIN
         RAISE EXCEPTION USING ERRCODE = 'PGL01', MESSAGE = format('unknown lane %L', p_lane),
             HINT = 'list the lanes with: pglane status';
     END IF;
-    IF p_settings IS NULL OR jsonb_typeof(p_settings) <> 'object' OR p_settings = '{}' THEN
-        RAISE EXCEPTION USING ERRCODE = 'PGL10', MESSAGE = 'no settings to change',
-            HINT = 'give an object of settings, e.g. {"slots": 3, "rate": "60/min"}';
-    END IF;
-    FOR v_key IN SELECT jsonb_object_keys(p_settings) LOOP
-        IF v_key NOT IN ('slots', 'job_timeout', 'lease_timeout', 'max_attempts', 'max_queued', 'rate', 'takeover',
-                         'waiting_grace', 'retry_backoff', 'max_payload_bytes', 'max_result_bytes',
-                         'key_retention') THEN
-            RAISE EXCEPTION USING ERRCODE = 'PGL10', MESSAGE = format('unknown lane setting %L', v_key),
-                HINT = 'settings: slots, job_timeout, lease_timeout, max_attempts, max_queued, rate, takeover, '
-                       'waiting_grace, retry_backoff, max_payload_bytes, max_result_bytes, key_retention';
-        END IF;
-        IF jsonb_typeof(p_settings -> v_key) = 'null' AND v_key NOT IN ('max_queued', 'rate') THEN
-            RAISE EXCEPTION USING ERRCODE = 'PGL10', MESSAGE = format('lane setting %s cannot be removed', v_key),
-                HINT = 'give it a value; only max_queued and rate can be none';
-        END IF;
-    END LOOP;
-    v_new := v_old;
-    BEGIN
-        v_new.slots := coalesce((p_settings ->> 'slots')::integer, v_old.slots);
-        v_new.max_attempts := coalesce((p_settings ->> 'max_attempts')::integer, v_old.max_attempts);
-        v_new.max_payload_bytes := coalesce((p_settings ->> 'max_payload_bytes')::integer, v_old.max_payload_bytes);
-        v_new.max_result_bytes := coalesce((p_settings ->> 'max_result_bytes')::integer, v_old.max_result_bytes);
-        v_new.job_timeout := coalesce((p_settings ->> 'job_timeout')::interval, v_old.job_timeout);
-        v_new.lease_timeout := coalesce((p_settings ->> 'lease_timeout')::interval, v_old.lease_timeout);
-        v_new.waiting_grace := coalesce((p_settings ->> 'waiting_grace')::interval, v_old.waiting_grace);
-        v_new.retry_backoff := coalesce((p_settings ->> 'retry_backoff')::interval, v_old.retry_backoff);
-        v_new.key_retention := coalesce((p_settings ->> 'key_retention')::interval, v_old.key_retention);
-        IF p_settings ? 'max_queued' THEN
-            v_new.max_queued := (p_settings ->> 'max_queued')::integer;
-        END IF;
-    EXCEPTION WHEN invalid_text_representation OR numeric_value_out_of_range OR invalid_datetime_format
-                   OR datetime_field_overflow OR interval_field_overflow THEN
-        RAISE EXCEPTION USING ERRCODE = 'PGL10', MESSAGE = format('lane settings %s: %s', p_settings, SQLERRM),
-            HINT = 'counts are whole numbers; timeouts are seconds or intervals such as ''10 minutes''';
-    END;
-    v_new.takeover := coalesce(replace(p_settings ->> 'takeover', '-', '_'), v_old.takeover);
+    v_new := pglane.lane_with(v_old, p_settings);
     IF p_settings ? 'rate' THEN
-        SELECT * INTO v_rate FROM pglane.parse_rate(coalesce(p_settings ->> 'rate', 'none'));
-        v_new.rate_limit := v_rate.rate_limit;
-        v_new.rate_period := v_rate.rate_period;
         -- Atomic with enqueues: FOR UPDATE waits for the producers whose inserts into this lane are
         -- not committed yet (their FOR KEY SHARE), and holds off later ones until this commits, when
         -- jobs_before_insert reads the new rate (its FOR KEY SHARE waits, then sees this row's new
@@ -201,7 +219,8 @@ BEGIN
            max_attempts = v_new.max_attempts, max_queued = v_new.max_queued, rate_limit = v_new.rate_limit,
            rate_period = v_new.rate_period, takeover = v_new.takeover, waiting_grace = v_new.waiting_grace,
            retry_backoff = v_new.retry_backoff, max_payload_bytes = v_new.max_payload_bytes,
-           max_result_bytes = v_new.max_result_bytes, key_retention = v_new.key_retention
+           max_result_bytes = v_new.max_result_bytes, key_retention = v_new.key_retention,
+           group_slots = v_new.group_slots
      WHERE l.id = v_old.id;
     -- Wake the lane's workers: one sleeping until a rate allows a start may start sooner now.
     PERFORM pglane.notify('pglane_' || v_old.id, 'settings');

@@ -34,6 +34,7 @@ GRANT EXECUTE ON FUNCTION
     pglane.lanes_in_flight(),                                                              -- strict.sql
     pglane.parse_rate(text), pglane.rate_text(integer, interval), pglane.rate_window_use(text),
     pglane.rate_next_start(text), pglane.lanes_next_start(),                               -- rate.sql
+    pglane.group_in_flight(pglane.lanes, text), pglane.groups_waiting(text),               -- groups.sql
     pglane.queue_positions(text),                                                          -- views.sql
     pglane.notifications_skipped(),                                                        -- lanes.sql
     pglane.await_job(bigint)                                                               -- wait.sql
@@ -42,8 +43,9 @@ GRANT EXECUTE ON FUNCTION
 -- pglane_producer: enqueue (the function, or a plain INSERT of the input columns), wait for a job
 -- (await_job, above) and read the status of its own jobs: job_status shows a producer only the jobs
 -- it enqueued, and the policies below only its own rows of jobs.
-GRANT EXECUTE ON FUNCTION pglane.enqueue(text, jsonb, text, timestamptz, text, integer) TO pglane_producer;
-GRANT INSERT (lane, payload, idempotency_key, run_after, cost) ON pglane.jobs TO pglane_producer;
+GRANT EXECUTE ON FUNCTION pglane.enqueue(text, jsonb, text, timestamptz, text, integer, text, integer)
+    TO pglane_producer;
+GRANT INSERT (lane, payload, idempotency_key, run_after, cost, group_key, priority) ON pglane.jobs TO pglane_producer;
 -- INSERT ... ON CONFLICT (lane, idempotency_key) DO NOTHING reads the conflict target's columns.
 GRANT SELECT (lane, idempotency_key) ON pglane.jobs TO pglane_producer;
 GRANT SELECT ON pglane.job_status TO pglane_producer;
@@ -65,14 +67,14 @@ GRANT SELECT (id, job_id, attempt_number, status, worker, backend_pid, backend_s
 -- (release_lease); recover, prune, change a lane's settings (set_lane), count the tallies again.
 GRANT SELECT ON pglane.lanes, pglane.jobs, pglane.attempts, pglane.lane_starts, pglane.lane_tallies,
                 pglane.pruned_keys, pglane.lane_status, pglane.job_status, pglane.running_attempts,
-                pglane.slot_sessions
+                pglane.slot_sessions, pglane.lane_groups
     TO pglane_operator;
 GRANT EXECUTE ON FUNCTION pglane.retry(bigint), pglane.cancel(bigint), pglane.release_lease(bigint),
                           pglane.recover(text), pglane.stuck_attempts(text),
                           pglane.prune(interval, text, boolean, boolean),
                           pglane.prune_batch(interval, text, boolean, bigint, integer, boolean),
                           pglane.set_lane(text, jsonb), pglane.lane_flow(text), pglane.lane_queue(text),
-                          pglane.recount_tallies()
+                          pglane.recount_tallies(), pglane.group_status(text, integer)
     TO pglane_operator;
 
 -- Rows of jobs: a producer reads only the jobs it enqueued (enqueued_by = caller(), jobs.sql) and may

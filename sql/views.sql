@@ -159,7 +159,8 @@ WITH running AS (
            l.max_queued, l.waiting_grace, l.job_timeout, l.lease_timeout, l.max_attempts,
            coalesce(h.holders, '[]') AS holders, coalesce(h.squatters, 0) AS squatters, h.squatter_action,
            l.takeover, x.in_flight, x.lost_attempt, x.lease_ends,
-           pglane.rate_text(l.rate_limit, l.rate_period) AS rate, x.rate_window_used, x.rate_next_start_at
+           pglane.rate_text(l.rate_limit, l.rate_period) AS rate, x.rate_window_used, x.rate_next_start_at,
+           l.group_slots, x.groups_waiting
       FROM pglane.lanes l
      CROSS JOIN LATERAL pglane.lane_queue(l.name) q
      CROSS JOIN LATERAL (SELECT coalesce(sum(t.jobs), 0)::bigint AS jobs, coalesce(sum(t.failed), 0)::bigint AS failed,
@@ -167,7 +168,8 @@ WITH running AS (
                            FROM pglane.lane_tallies t WHERE t.lane_id = l.id) t
      CROSS JOIN LATERAL (SELECT pglane.lane_consumers(l.id, l.slots) AS consumers, f.in_flight, f.lost_attempt,
                                 f.lease_ends, pglane.rate_window_use(l.name) AS rate_window_used,
-                                pglane.rate_next_start(l.name) AS rate_next_start_at
+                                pglane.rate_next_start(l.name) AS rate_next_start_at,
+                                CASE WHEN q.queued > 0 THEN pglane.groups_waiting(l.name) ELSE 0 END AS groups_waiting
                            FROM pglane.in_flight(l.name) f OFFSET 0) x
       LEFT JOIN LATERAL (SELECT fl.arrived_5m, fl.left_5m FROM pglane.lane_flow(l.name) fl
                           WHERE q.eligible > 0 AND now() - q.oldest_eligible > l.waiting_grace OFFSET 0) fl ON true
@@ -205,7 +207,7 @@ SELECT b.lane, b.slots, b.consumers, b.queued, b.running, b.done, b.failed, b.ca
        END AS next_safe_action,
        b.holders, b.squatters, b.takeover, b.in_flight,
        CASE WHEN b.takeover = 'after_lease' AND b.in_flight >= b.slots THEN b.lease_ends END AS waits_until,
-       b.rate, b.rate_window_used, b.rate_next_start_at
+       b.rate, b.rate_window_used, b.rate_next_start_at, b.group_slots, b.groups_waiting
   FROM base b;
 
 -- queue_positions: the position of every queued job of lane p_lane (of every lane if NULL), from one
@@ -233,7 +235,8 @@ BEGIN
         SELECT p.id, p.pos FROM (
             SELECT q.id, q.enqueued_by,
                    row_number() OVER (PARTITION BY q.lane ORDER BY q.run_after > now(),
-                                      CASE WHEN q.run_after > now() THEN q.run_after END, q.created_at, q.id) AS pos
+                                      CASE WHEN q.run_after > now() THEN q.run_after END,
+                                      q.priority DESC, q.fair_rank, q.created_at, q.id) AS pos
               FROM pglane.jobs q WHERE q.in_queue) p
          WHERE v_all OR p.enqueued_by = v_caller;
     ELSE
@@ -241,7 +244,8 @@ BEGIN
         SELECT p.id, p.pos FROM (
             SELECT q.id, q.enqueued_by,
                    row_number() OVER (ORDER BY q.run_after > now(),
-                                      CASE WHEN q.run_after > now() THEN q.run_after END, q.created_at, q.id) AS pos
+                                      CASE WHEN q.run_after > now() THEN q.run_after END,
+                                      q.priority DESC, q.fair_rank, q.created_at, q.id) AS pos
               FROM pglane.jobs q WHERE q.lane = p_lane AND q.in_queue) p
          WHERE v_all OR p.enqueued_by = v_caller;
     END IF;
@@ -266,14 +270,19 @@ SELECT j.id AS job_id, j.lane, j.status, j.created_at, j.run_after, j.started_at
        (j.status = 'queued' AND greatest(j.created_at, j.run_after) < now() - l.waiting_grace
         AND NOT (l.rate_limit IS NOT NULL AND j.run_after <= now()
                  AND ((SELECT pglane.lanes_next_start()) ->> j.lane) IS NOT NULL)
-        AND NOT coalesce(j.cost > l.rate_limit, false))  -- it waits for a person, not a worker
+        AND NOT coalesce(j.cost > l.rate_limit, false)  -- it waits for a person, not a worker
+        AND NOT CASE WHEN l.group_slots IS NULL OR j.run_after > now() THEN false  -- waits for its group
+                     ELSE pglane.group_in_flight(l, j.group_key) >= l.group_slots END)
            AS waiting_for_worker,
        CASE WHEN j.status = 'queued' THEN
            (SELECT count(*) FROM pglane.jobs q
              WHERE q.lane = j.lane AND q.in_queue
                AND CASE WHEN j.run_after <= now()
-                        THEN q.run_after <= now() AND (q.created_at, q.id) <= (j.created_at, j.id)
-                        ELSE q.run_after <= now() OR (q.run_after, q.created_at, q.id) <= (j.run_after, j.created_at, j.id)
+                        THEN q.run_after <= now() AND (q.priority > j.priority OR (q.priority = j.priority
+                             AND (q.fair_rank, q.created_at, q.id) <= (j.fair_rank, j.created_at, j.id)))
+                        ELSE q.run_after <= now() OR (q.run_after < j.run_after) OR (q.run_after = j.run_after
+                             AND (q.priority > j.priority OR (q.priority = j.priority
+                                  AND (q.fair_rank, q.created_at, q.id) <= (j.fair_rank, j.created_at, j.id))))
                    END)
        END AS queue_position,
        j.attempts, j.seq, j.idempotency_key, j.last_error,
@@ -286,6 +295,12 @@ SELECT j.id AS job_id, j.lane, j.status, j.created_at, j.run_after, j.started_at
                           '(pglane lane set %s --rate N/PERIOD) to run it', j.id, j.cost, j.lane,
                           pglane.rate_text(l.rate_limit, l.rate_period), j.id, j.lane)
                WHEN j.run_after > now() THEN format('nothing to do: scheduled to run after %s', j.run_after)
+               WHEN CASE WHEN l.group_slots IS NULL THEN false
+                         ELSE pglane.group_in_flight(l, j.group_key) >= l.group_slots END THEN
+                   format('nothing to do: %s is at its limit of %s running job(s) (--group-slots %s of lane %s): '
+                          'this job starts when one of them ends, while other groups'' jobs go ahead',
+                          coalesce('group ' || j.group_key, 'the shared group (jobs with no group)'),
+                          l.group_slots, l.group_slots, j.lane)
                WHEN l.takeover = 'after_lease'
                     AND ((SELECT pglane.lanes_in_flight()) -> j.lane ->> 'in_flight')::bigint >= l.slots
                     AND (SELECT pglane.lanes_in_flight()) -> j.lane ->> 'lost_attempt' IS NOT NULL THEN
@@ -320,7 +335,7 @@ SELECT j.id AS job_id, j.lane, j.status, j.created_at, j.run_after, j.started_at
            WHEN 'cancelled' THEN format('nothing to do: cancelled (pglane retry %s runs it after all)', j.id)
            ELSE 'nothing to do: done, result stored'
        END AS next_safe_action,
-       j.result, j.enqueued_by
+       j.result, j.enqueued_by, j.group_key, j.priority
   FROM pglane.jobs j
   JOIN pglane.lanes l ON l.name = j.lane
   LEFT JOIN pglane.attempts a ON a.job_id = j.id AND a.attempt_number = j.attempts

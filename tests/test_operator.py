@@ -173,8 +173,8 @@ def test_queue_positions_count_from_one_in_service_order_under_concurrent_produc
     concurrently([produce] * 4)
     rows = conn.execute("SELECT job_id, queue_position FROM pglane.job_status ORDER BY queue_position").fetchall()
     assert [r["queue_position"] for r in rows] == list(range(1, 101))
-    service = [r["id"] for r in conn.execute(
-        "SELECT id FROM pglane.jobs WHERE status = 'queued' ORDER BY created_at, id")]
+    service = [r["id"] for r in conn.execute(  # service order (docs/design.md), as the claim's pick says it
+        "SELECT id FROM pglane.jobs WHERE status = 'queued' ORDER BY priority DESC, fair_rank, created_at, id")]
     assert [r["job_id"] for r in rows] == service
     take_slot(conn, lane)
     first = claimed(conn, lane)
@@ -188,8 +188,7 @@ def test_the_jobs_listing_shows_queued_jobs_in_the_order_they_will_be_served(ses
     pair = [r["id"] for r in conn.execute(  # one statement: the same created_at, served by id
         "INSERT INTO pglane.jobs (lane) VALUES (%s), (%s) RETURNING id", (lane, lane)).fetchall()]
     holder = hold_slot(session, lane)
-    started = pglane.enqueue(conn, lane, {})
-    age(conn, started, 30)  # the oldest: claimed first, so it is running, not queued
+    started = pglane.enqueue(conn, lane, {}, priority=1)  # first in service order: running, not queued
     assert claimed(holder, lane)["job_id"] == started
     listed = pglane.jobs(conn, lane=lane, status="queued")
     assert [r["job_id"] for r in listed] == [*pair, later]

@@ -29,6 +29,10 @@ from tests.test_web import TOKEN, WebServer, operator_dsn  # noqa: F401  (a fixt
 
 SEED_JOBS = 100_000
 SEED_LANES = 2_000
+# The queued jobs' index entries read (both queue indexes) and the rows of jobs read, in this transaction.
+QUEUE_READS = ("SELECT pg_stat_get_xact_tuples_fetched('pglane.jobs_queue'::regclass)"
+               " + pg_stat_get_xact_tuples_fetched('pglane.jobs_group_queue'::regclass)"
+               " + pg_stat_get_xact_tuples_returned('pglane.jobs'::regclass) AS n")
 
 
 def seed(conn: Any, jobs: int = SEED_JOBS, lanes: int = SEED_LANES, lane: str = "brain") -> None:
@@ -361,11 +365,9 @@ def test_a_page_of_lanes_computes_its_lanes_only(conn: Any, lane: str) -> None:
     assert per_lane_calls(conn, "SELECT * FROM pglane.lane_status") == {f: SEED_LANES + 1 for f in PER_LANE_FUNCTIONS}
     # A page without the big lane reads none of its 5,000 queued jobs (the queue index, lane by lane).
     with conn.transaction():
-        before = conn.execute("SELECT pg_stat_get_xact_tuples_fetched('pglane.jobs_queue'::regclass)"
-                              " + pg_stat_get_xact_tuples_returned('pglane.jobs'::regclass) AS n").fetchone()["n"]
+        before = conn.execute(QUEUE_READS).fetchone()["n"]
         conn.execute(LANE_PAGE, {**page, "after": "l1500"}).fetchall()
-        after = conn.execute("SELECT pg_stat_get_xact_tuples_fetched('pglane.jobs_queue'::regclass)"
-                             " + pg_stat_get_xact_tuples_returned('pglane.jobs'::regclass) AS n").fetchone()["n"]
+        after = conn.execute(QUEUE_READS).fetchone()["n"]
         assert after - before < 100, after - before
     with conn.transaction():  # one now() for both
         whole = {r["lane"]: r for r in conn.execute("SELECT * FROM pglane.lane_status").fetchall()}
