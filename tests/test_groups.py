@@ -8,6 +8,7 @@ import collections
 import functools
 import json
 import signal
+import time
 from typing import Any
 
 import psycopg
@@ -136,6 +137,8 @@ def test_2000_of_one_group_then_10_of_another_the_newcomer_is_served_within_slot
         starts.append(running[i]["job_id"])
         turn += 1
         assert turn <= 40, f"B's jobs still waiting after 40 starts: {starts}"
+    seqs = conn.execute("SELECT seq FROM pglane.jobs WHERE seq IS NOT NULL ORDER BY seq").fetchall()
+    assert [r["seq"] for r in seqs] == list(range(1, len(seqs) + 1))  # gapless, in claim order
     first_b = next(n for n, job in enumerate(starts, 1) if job in b_jobs)
     assert first_b <= 3, f"B's first job started {first_b} starts after its enqueue"
     assert len(starts) <= 20, f"B's 10 jobs took {len(starts)} starts"
@@ -245,29 +248,42 @@ def test_six_workers_on_two_lanes_never_run_a_group_over_its_limit_even_when_one
         conn: Any, workers: Workers, ledger: Ledger) -> None:
     # Three slots each, one running job per group: on "strict" two groups share three slots, so the
     # third slot must idle rather than start a second job of a group; on "open" seven groups share them.
+    # A poisoned job kills its worker mid-call on each lane: on the strict lane its group may not start
+    # another call until the lost attempt's lease ends (its worker might, for all the lane knows, run on).
     pglane.create_lane(conn, "open", slots=3, job_timeout=30, group_slots=1)
-    pglane.create_lane(conn, "strict", slots=3, job_timeout=30, takeover="after_lease", group_slots=1)
+    pglane.create_lane(conn, "strict", slots=3, job_timeout=4, lease_timeout=5, takeover="after_lease",
+                       group_slots=1)
     conn.execute(
         "INSERT INTO pglane.jobs (lane, payload, group_key)"
         " SELECT 'open', '{\"sleep\": 0.01}'::jsonb, 'tenant' || (i % 7) FROM generate_series(1, 260) i"
         " UNION ALL SELECT 'strict', '{\"sleep\": 0.01}'::jsonb, 'tenant' || (i % 2) FROM generate_series(1, 260) i")
-    poisoned = pglane.enqueue(conn, "open", {"poison": True}, group="tenant0")
+    poisoned = {lane: pglane.enqueue(conn, lane, {"poison": True}, group="tenant0", priority=1)
+                for lane in ("open", "strict")}
     options = ("--poll-interval", "1", "--recover-interval", "1")
-    procs = [workers.start(lane, "tests.handlers:paid_call", *options) for lane in ("open", "strict") for _ in range(3)]
-    wait_until(lambda: any(p.poll() == -signal.SIGKILL for p in procs), 60, "the poisoned call to kill its worker")
-    workers.start("open", "tests.handlers:paid_call", *options)
+    procs = {lane: [workers.start(lane, "tests.handlers:paid_call", *options) for _ in range(3)]
+             for lane in ("open", "strict")}
+    for lane in ("open", "strict"):
+        wait_until(lambda lane=lane: any(p.poll() == -signal.SIGKILL for p in procs[lane]), 60,  # type: ignore[misc]
+                   f"the poisoned call to kill a worker of lane {lane}")
+        workers.start(lane, "tests.handlers:paid_call", *options)
 
     def finished() -> bool:
         return bool(conn.execute("SELECT count(*) AS n FROM pglane.jobs WHERE status IN ('done', 'failed')"
-                                 ).fetchone()["n"] == 521)
+                                 ).fetchone()["n"] == 522)
     wait_until(finished, 240, "every job to finish")
     key_of = {r["id"]: (r["lane"], r["group_key"]) for r in conn.execute("SELECT id, lane, group_key FROM pglane.jobs")}
     most = _most_at_once(ledger, key_of)
     assert {lane for lane, _ in most} == {"open", "strict"}
     assert max(most.values()) == 1, f"a group ran over its limit of 1: {most}"
-    assert sorted(ledger.calls()) == sorted(key_of)  # every job called once: the poisoned one was not retried
-    lost = conn.execute("SELECT status FROM pglane.attempts WHERE job_id = %s", (poisoned,)).fetchone()
-    assert lost["status"] == "lost"
+    assert sorted(ledger.calls()) == sorted(key_of)  # every job called once: the poisoned ones were not retried
+    lost = {lane: conn.execute("SELECT status, lease_expires_at FROM pglane.attempts WHERE job_id = %s",
+                               (job,)).fetchone() for lane, job in poisoned.items()}
+    assert {a["status"] for a in lost.values()} == {"lost"}
+    after_lease = conn.execute(  # tenant0's first start on the strict lane after the lost one
+        "SELECT min(started_at) AS t FROM pglane.jobs WHERE lane = 'strict' AND group_key = 'tenant0'"
+        " AND id <> %s AND started_at > (SELECT started_at FROM pglane.jobs WHERE id = %s)",
+        (poisoned["strict"], poisoned["strict"])).fetchone()["t"]
+    assert after_lease >= lost["strict"]["lease_expires_at"], "the strict lane's group started during the lease"
 
 
 def test_priorities_are_honoured_on_a_busy_lane(conn: Any, workers: Workers, ledger: Ledger) -> None:
@@ -305,3 +321,30 @@ def test_a_bulk_insert_finds_each_jobs_round_with_one_index_probe_not_a_walk_of_
     ranks = conn.execute("SELECT coalesce(group_key, '') AS g, min(fair_rank) AS lo, max(fair_rank) AS hi,"
                          " count(*) AS n FROM pglane.jobs GROUP BY 1 ORDER BY 1").fetchall()
     assert [(r["lo"], r["hi"], r["n"]) for r in ranks] == [(0, 999, 1000)] * 3  # each group its own rounds
+
+
+def test_lane_set_group_slots_on_a_running_lane_holds_from_the_next_start(
+        conn: Any, workers: Workers, ledger: Ledger) -> None:
+    pglane.create_lane(conn, "live", slots=3, job_timeout=30)
+    conn.execute("INSERT INTO pglane.jobs (lane, payload, group_key)"
+                 " SELECT 'live', '{\"sleep\": 0.05}'::jsonb, 'one' FROM generate_series(1, 90)")
+    for _ in range(3):
+        workers.start("live")
+    wait_until(lambda: len(ledger.calls()) >= 9, 60, "the three workers to be busy")
+    changed = time.monotonic_ns()
+    out = console(conn.info.dsn, "lane", "set", "live", "--group-slots", "1")
+    assert out.returncode == 0, out.stderr
+    committed = conn.execute("SELECT clock_timestamp() AS t").fetchone()["t"]  # after set_lane's commit
+    wait_until(lambda: pglane.lane_status(conn)[0]["done"] == 90, 120, "the lane to drain")
+    starts = {a: t for e, _, a, t in ledger.events() if e == "start"}
+    spans = {a: (starts[a], t) for e, _, a, t in ledger.events() if e == "end"}
+    before = [s for s in spans.values() if s[0] < changed]
+    assert max(sum(1 for o in before if o[0] < s[1] and s[0] < o[1]) for s in before) >= 2  # it did overlap
+    # Claims whose transaction began after the change read it: none of their calls overlaps another.
+    after = [r["id"] for r in conn.execute("SELECT a.id FROM pglane.attempts a WHERE a.started_at > %s",
+                                           (committed,))]
+    assert len(after) > 10
+    for attempt in after:
+        start, end = spans[attempt]
+        overlapping = [a for a, (s, e) in spans.items() if a != attempt and s < end and start < e]
+        assert overlapping == [], f"attempt {attempt} ran beside {overlapping} after --group-slots 1"
