@@ -3,6 +3,9 @@
 ``noop``: does nothing (async, so no thread hop): the throughput handler.
 ``stamp``: records when it started job ``payload.n`` (see bench.procs.stamp), then sleeps
 ``payload.sleep`` seconds if given: the wake-latency and takeover handler.
+``ledger``: appends ``start GROUP JOB ATTEMPT NS`` to $BENCH_LEDGER (monotonic ns, fsynced), sleeps
+``payload.sleep`` seconds, appends the same with ``end``: a record outside the database of when each
+group's calls were in progress (``python -m bench --only groups``, bench.groups.read_ledger).
 
 With BENCH_PROFILE=FILE the worker process that imports this module runs under cProfile from then on
 and dumps its statistics to FILE at exit (a graceful SIGTERM stop runs atexit).
@@ -19,6 +22,7 @@ import asyncio
 import atexit
 import cProfile
 import os
+import time
 from typing import Any
 
 from bench.procs import stamp as _stamp
@@ -35,6 +39,24 @@ async def stamp(job: Job) -> None:
     _stamp(int(payload.get("n", -1)))
     if payload.get("sleep"):
         await asyncio.sleep(float(payload["sleep"]))
+
+
+def _ledger(event: str, job: Job, group: str) -> None:
+    fd = os.open(os.environ["BENCH_LEDGER"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, f"{event} {group} {job.id} {job.attempt_id} {time.monotonic_ns()}\n".encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def ledger(job: Job) -> None:
+    """A sync handler (its own thread): the start and end of its call in the ledger, around the sleep."""
+    payload: dict[str, Any] = job.payload if isinstance(job.payload, dict) else {}
+    group = str(payload.get("group", "-"))
+    _ledger("start", job, group)
+    time.sleep(float(payload.get("sleep", 0)))
+    _ledger("end", job, group)
 
 
 def _start_profile(path: str) -> None:
