@@ -89,14 +89,20 @@ LANGUAGE sql AS $$
     ON CONFLICT (lane_id, group_key) DO UPDATE SET served_at = excluded.served_at;
 $$;
 
--- groups_waiting: how many groups of lane p_lane have a queued job (the shared group counts as one):
--- one pass over the lane's part of jobs_group_queue, which is ordered by group.
+-- groups_waiting: how many groups of lane p_lane have a queued job (the shared group counts as one).
+-- The lane's greatest queued group, one probe of jobs_group_queue backward, says whether it has any
+-- but the shared group ('' there, which sorts first); only a lane that has grouped jobs queued is
+-- counted, in one pass over its part of the index, which is ordered by group: it costs the backlog.
 CREATE OR REPLACE FUNCTION pglane.groups_waiting(p_lane text) RETURNS bigint
 LANGUAGE sql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
 AS $$
-    SELECT count(*) FROM (SELECT DISTINCT coalesce(j.group_key, '') FROM pglane.jobs j
-                           WHERE j.lane = p_lane AND j.in_queue) g;
+    SELECT CASE WHEN t.top IS NULL THEN 0 WHEN t.top = '' THEN 1
+                ELSE (SELECT count(*) FROM (SELECT DISTINCT coalesce(j.group_key, '') FROM pglane.jobs j
+                                             WHERE j.lane = p_lane AND j.in_queue) g)
+           END
+      FROM (SELECT (SELECT coalesce(j.group_key, '') FROM pglane.jobs j WHERE j.lane = p_lane AND j.in_queue
+                     ORDER BY coalesce(j.group_key, '') DESC LIMIT 1) AS top) t;
 $$;
 
 -- group_status: lane p_lane's groups, the deepest queue first (at most p_limit; NULL: all): queued
