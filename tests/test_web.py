@@ -140,6 +140,104 @@ def test_jobs_filter_by_lane_status_and_key_queued_first_in_service_order(
     assert refused.status_code == 400 and "use one of queued, running, done, failed, cancelled" in refused.text
 
 
+def _rows(body: str) -> list[dict[str, str]]:
+    """The jobs list's rows: job id, group, priority and place, as the page shows them."""
+    rows = []
+    for row in re.findall(r'<tr class="status-\w+">(.*?)</tr>', body, re.S):
+        cells = [re.sub(r"<[^>]+>", "", c).strip() for c in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)]
+        rows.append({"job": cells[0], "group": cells[2], "priority": cells[3], "place": cells[6]})
+    return rows
+
+
+def test_queued_jobs_are_listed_in_the_order_the_claim_serves_them_priority_then_groups_by_rounds(
+    page: TestClient, conn: Any, lane: str, session: Callable[..., Any]
+) -> None:
+    """Service order is priority DESC, then the groups' rounds (fair_rank), then enqueue order: the page
+    lists the queue so, with each job's group, priority and place (job_status's queue_position), and a
+    worker then claims the jobs in exactly the order the page showed."""
+    acme = [pglane.enqueue(conn, lane, {"n": n}, group="acme") for n in range(4)]
+    beta = [pglane.enqueue(conn, lane, {"n": n}, group="beta") for n in range(2)]
+    shared = pglane.enqueue(conn, lane, {})
+    urgent = pglane.enqueue(conn, lane, {}, group="beta", priority=5)
+    # urgent first (priority 5); then round 0 (each group's first job, in enqueue order), round 1, ...:
+    # acme's 4 jobs interleave with beta's 2 instead of going all before them.
+    expected = [urgent, acme[0], beta[0], shared, acme[1], beta[1], acme[2], acme[3]]
+    rows = _rows(page.get("/jobs", params={"lane": lane}).text)
+    assert [int(r["job"]) for r in rows] == expected
+    assert [(r["group"], r["priority"]) for r in rows] == [
+        ("beta", "5"), ("acme", "0"), ("beta", "0"), ("", "0"), ("acme", "0"), ("beta", "0"), ("acme", "0"),
+        ("acme", "0")]
+    assert [r["place"] for r in rows] == [str(n) for n in range(1, 9)]
+    assert [pglane.job_status(conn, job)["queue_position"] for job in expected] == list(range(1, 9))
+    assert "<th>group</th><th>priority</th>" in page.get("/jobs").text
+    worker = session()
+    take_slot(worker, lane)
+    served = []
+    for _ in expected:
+        row = claimed(worker, lane)
+        served.append(row["job_id"])
+        worker.execute(queries.COMPLETE, (row["attempt_id"], "{}", row["token"]))
+    assert served == expected
+
+
+def test_the_jobs_pages_walk_every_lanes_queue_in_service_order_across_priorities_and_rounds(
+    page: TestClient, conn: Any, lane: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pages of three jobs, so that the next links' cursors fall inside a priority, on the change from one
+    priority to the next, from one lane to the next and into the scheduled jobs: every job is shown
+    once, in service order, each queued one at job_status's queue_position."""
+    from datetime import UTC, datetime, timedelta
+
+    import pglane.web.app as web_app
+
+    monkeypatch.setattr(web_app, "JOBS_SHOWN", 3)
+    pglane.create_lane(conn, "email", job_timeout=60)
+    later = datetime.now(UTC) + timedelta(hours=1)
+    for n in range(14):
+        pglane.enqueue(conn, lane, {"n": n}, group=("acme", "beta", "acme", None)[n % 4],
+                       priority=(0, 2, 0, -1, 0)[n % 5])
+    for n in range(5):
+        pglane.enqueue(conn, "email", {"n": n}, group=("x", "y")[n % 2], priority=n % 2)
+    for priority in (0, 4, 0):  # one run_after: the scheduled ones' priority orders them
+        pglane.enqueue(conn, lane, {}, run_after=later, priority=priority, group="acme")
+    pglane.enqueue(conn, "email", {}, run_after=later - timedelta(minutes=1))
+    done = pglane.enqueue(conn, lane, {})
+    conn.execute("UPDATE pglane.jobs SET status = 'done', finished_at = now() WHERE id = %s", (done,))
+
+    jobs = conn.execute("SELECT id, lane, priority, fair_rank, created_at, run_after, run_after > now() AS later"
+                        " FROM pglane.jobs WHERE in_queue").fetchall()
+
+    def order(j: dict[str, Any]) -> tuple[Any, ...]:
+        return (-j["priority"], j["fair_rank"], j["created_at"], j["id"])
+
+    eligible = [j["id"] for name in sorted({j["lane"] for j in jobs})
+                for j in sorted((j for j in jobs if j["lane"] == name and not j["later"]), key=order)]
+    scheduled = [j["id"] for j in sorted((j for j in jobs if j["later"]), key=lambda j: (j["run_after"], *order(j)))]
+    expected = [*eligible, *scheduled, done]
+    assert eligible != sorted(eligible)  # service order is not enqueue order here
+
+    def walk(path: str | None) -> list[dict[str, str]]:
+        walked: list[dict[str, str]] = []
+        while path is not None:
+            body = page.get(path).text
+            rows = _rows(body)
+            assert 0 < len(rows) <= 3, path
+            walked += rows
+            found = re.search(r'<a rel="next" class="next" href="([^"]+)"', body)
+            path = found.group(1).replace("&amp;", "&") if found else None
+        return walked
+
+    walked = walk("/jobs")
+    assert [int(r["job"]) for r in walked] == expected
+    places = {int(r["job"]): r["place"] for r in walked}
+    for job in expected:
+        position = pglane.job_status(conn, job)["queue_position"]
+        assert places[job] == ("" if position is None else str(position)), job
+    only_brain = walk(f"/jobs?lane={lane}&status=queued")
+    assert [int(r["job"]) for r in only_brain] == [j for j in expected if j != done and
+                                                  next(x for x in jobs if x["id"] == j)["lane"] == lane]
+
+
 def test_one_failed_job_shows_its_attempts_error_result_and_next_safe_action(
     page: TestClient, conn: Any, lane: str, session: Callable[..., Any]
 ) -> None:
@@ -162,6 +260,14 @@ def test_a_queued_job_says_why_it_waits_and_where_it_stands(page: TestClient, co
     assert "start a worker for lane brain: pglane worker brain --handler MODULE:CALLABLE" in body
     assert re.search(r"place in the queue</dt><dd>2 — waiting past the lane's grace", body)
     assert first < second
+
+
+def test_a_job_shows_its_group_and_priority(page: TestClient, conn: Any, lane: str) -> None:
+    job = pglane.enqueue(conn, lane, {}, group="acme", priority=3)
+    body = page.get(f"/jobs/{job}").text
+    assert '<dt>group</dt><dd class="key">acme</dd>' in body
+    assert "<dt>priority</dt><dd>3 (higher starts first)</dd>" in body
+    assert "none (the lane&#39;s shared group)" in page.get(f"/jobs/{pglane.enqueue(conn, lane, {})}").text
 
 
 def test_every_value_from_the_database_is_shown_as_text(

@@ -130,6 +130,78 @@ def test_the_jobs_list_is_paged_and_its_next_links_walk_every_job_once_in_order(
         assert next_link(lane_only) is None
 
 
+# Every read of pglane.jobs in this transaction: the entries of its indexes read, and its rows read (by a
+# sequential scan, a bitmap scan, or an index scan: each index's tuples_fetched).
+JOBS_READS = ("SELECT pg_stat_get_xact_tuples_fetched('pglane.jobs'::regclass)"
+              " + pg_stat_get_xact_tuples_returned('pglane.jobs'::regclass)"
+              " + (SELECT sum(pg_stat_get_xact_tuples_returned(i.indexrelid)"
+              "                 + pg_stat_get_xact_tuples_fetched(i.indexrelid))"
+              "     FROM pg_index i WHERE i.indrelid = 'pglane.jobs'::regclass) AS n")
+
+
+def test_a_page_of_a_long_queue_reads_a_page_of_it_wherever_its_cursor_stands(dsn: str, conn: Any, lane: str) -> None:
+    """Without timing (#32): the jobs list in service order (priority DESC, fair_rank, created_at, id)
+    reads a few pages' worth of a 20,000-job queue for its page, from the first page, inside a priority,
+    across a change of priority and from one lane to the next; a queued job's place costs its place, not
+    the lane's queue, and is job_status's queue_position. Counted by PostgreSQL (this session's reads),
+    through the page's own code (Page._job_ids)."""
+    import asyncio
+
+    import psycopg
+    from psycopg.rows import dict_row
+
+    from pglane.web.app import JOBS_SHOWN, Page
+    from pglane.web.queries import JOB_POSITIONS
+    from pglane.web.security import Guard
+
+    for name in ("alpha", "zeta"):
+        pglane.create_lane(conn, name, job_timeout=20)
+        conn.execute("INSERT INTO pglane.jobs (lane, group_key) SELECT %s, 'g' || (g %% 3)"
+                     " FROM generate_series(1, 60) g", (name,))
+    conn.execute("INSERT INTO pglane.jobs (lane, group_key, priority, run_after)"
+                 " SELECT %s, 'g' || (g %% 40), CASE WHEN g %% 7 = 0 THEN 3 WHEN g %% 11 = 0 THEN -1 ELSE 0 END,"
+                 " now() + CASE WHEN g %% 50 = 0 THEN interval '1 hour' ELSE interval '0' END"
+                 " FROM generate_series(1, 20000) g", (lane,))
+    conn.execute("ANALYZE pglane.jobs")
+    rows = conn.execute("SELECT id, lane, priority, fair_rank, created_at FROM pglane.jobs"
+                        " WHERE in_queue AND run_after <= now()").fetchall()
+    order = [r["id"] for r in sorted(rows, key=lambda r: (r["lane"], -r["priority"], r["fair_rank"],
+                                                          r["created_at"], r["id"]))]
+    brain = [r for r in rows if r["lane"] == lane]
+    first_brain = order.index(min(brain, key=lambda r: (-r["priority"], r["fair_rank"], r["created_at"],
+                                                        r["id"]))["id"])
+    priority = {r["id"]: r["priority"] for r in brain}
+    last_top = max(i for i, job in enumerate(order) if priority.get(job) == 3)
+    last_middle = max(i for i, job in enumerate(order) if priority.get(job) == 0)
+    last_brain = first_brain + len(brain) - 1
+    page = Page(dsn, Guard(None))
+
+    async def measure() -> None:
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True, row_factory=dict_row) as aconn:
+            async def reads() -> int:
+                return int((await (await aconn.execute(JOBS_READS)).fetchone())["n"])  # type: ignore[index]
+
+            for at in (None, first_brain + 25, last_top, first_brain + 10_000, last_middle, last_brain):
+                async with aconn.transaction():
+                    before = await reads()
+                    found = await page._job_ids(aconn, None, None, None, None if at is None else order[at], None)
+                    used = await reads() - before
+                start = 0 if at is None else at + 1
+                assert [job for job, _, _ in found] == order[start:start + JOBS_SHOWN + 1], at
+                # at most three ranges of a page, an index entry and a row each, and the scheduled jobs passed over
+                assert used < 8 * (JOBS_SHOWN + 1), (at, used)
+            for at in (first_brain + 25, last_top + 1, first_brain + 5_000):
+                job = order[at]
+                async with aconn.transaction():
+                    before = await reads()
+                    place = (await (await aconn.execute(JOB_POSITIONS, ([job],))).fetchone())["queue_position"]  # type: ignore[index]
+                    used = await reads() - before
+                assert place == at - first_brain + 1 == pglane.job_status(conn, job)["queue_position"]
+                assert used < 3 * place + 100, (place, used)  # its place, not the lane's 20,000
+
+    asyncio.run(measure())
+
+
 def test_a_slow_query_is_cut_by_the_statement_timeout_and_the_pool_keeps_serving(
     operator_dsn: str, conn: Any, lane: str, serve: Callable[..., Served]  # noqa: F811
 ) -> None:

@@ -61,6 +61,10 @@ STATEMENT_TIMEOUT = 5.0
 MAX_FORM_BYTES = 64 * 1024  # an action's form is a few hundred bytes; a longer body is refused (413)
 FORM_TYPE = "application/x-www-form-urlencoded"
 LANE_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,47}$")
+# Where the queued jobs' sections start (web_queries.JOBS_ELIGIBLE, JOBS_SCHEDULED): before every lane
+# name (''), every priority (a job's is an integer) and every time.
+FIRST_CURSOR: dict[str, Any] = {"c_lane": "", "c_priority": 2**31 - 1, "c_rank": 0, "c_created": "-infinity",
+                                "c_run_after": "-infinity", "c_id": 0}
 
 # What each action costs, said on its confirmation page before anything is done.
 ACTIONS: dict[str, dict[str, str]] = {
@@ -275,18 +279,18 @@ class Page:
             return [(r["id"], r["lane"], False) for r in rows]
         found: list[tuple[int, str, bool]] = []
         if status in (None, "queued") and before is None:
-            cursor = {"c_lane": "", "c_created": "-infinity", "c_run_after": "-infinity", "c_id": 0}
+            cursor = FIRST_CURSOR
             scheduled = False
             if after is not None:
                 at = await self.fetch(conn, web_queries.JOB_CURSOR, (after,))
                 if at:  # a job that left the queue keeps its place as a cursor
                     scheduled = bool(at[0]["scheduled"])
-                    cursor = {"c_lane": at[0]["lane"], "c_created": at[0]["created_at"],
-                              "c_run_after": at[0]["run_after"], "c_id": after}
+                    cursor = {"c_lane": at[0]["lane"], "c_priority": at[0]["priority"], "c_rank": at[0]["fair_rank"],
+                              "c_created": at[0]["created_at"], "c_run_after": at[0]["run_after"], "c_id": after}
             if not scheduled:
                 rows = await self.fetch(conn, web_queries.JOBS_ELIGIBLE, {"lane": lane, "limit": want, **cursor})
                 found += [(r["id"], r["lane"], True) for r in rows]
-                cursor = {"c_lane": "", "c_created": "-infinity", "c_run_after": "-infinity", "c_id": 0}
+                cursor = FIRST_CURSOR
             if len(found) < want:
                 rows = await self.fetch(conn, web_queries.JOBS_SCHEDULED,
                                         {"lane": lane, "limit": want - len(found), **cursor})

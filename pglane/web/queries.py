@@ -16,25 +16,50 @@ LANE_PAGE: LiteralString = (
 )
 
 # The jobs list, one page at a time, in three sections: the queued jobs that may run now, lane by lane
-# in each lane's service order (created_at, id: the queue index's own order, so a page reads only its
-# rows); then the scheduled ones (run_after in the future) by run_after, created_at and id; then
-# every other job, newest first (by id). Each section continues after a cursor, the page's last job.
-# Within a lane, the jobs a page shows of its queue are consecutive in its service order (its eligible
-# jobs come all before its scheduled ones), so one position per lane and page is counted
-# (JOB_POSITIONS) and the others follow from it. Filters: lane and status (each optional); an
-# idempotency key has its own statement (JOBS_KEYED).
-JOBS_ELIGIBLE: LiteralString = (
-    "SELECT j.id, j.lane FROM pglane.jobs j"
-    " WHERE j.in_queue AND j.run_after <= now() AND (%(lane)s::text IS NULL OR j.lane = %(lane)s)"
-    " AND (j.lane, j.created_at, j.id) > (%(c_lane)s::text, %(c_created)s::timestamptz, %(c_id)s::bigint)"
-    " ORDER BY j.lane, j.created_at, j.id LIMIT %(limit)s"
+# in each lane's service order (priority DESC, fair_rank, created_at, id: the claim's pick, sql/claim.sql,
+# and the queue index jobs_queue's own order); then the scheduled ones (run_after in the future) by
+# run_after, then service order; then every other job, newest first (by id). Each section continues
+# after a cursor, the page's last job. Within a lane, the jobs a page shows of its queue are consecutive
+# in its service order (its eligible jobs come all before its scheduled ones), so one position per lane
+# and page is counted (JOB_POSITIONS) and the others follow from it. Filters: lane and status (each
+# optional); an idempotency key has its own statement (JOBS_KEYED).
+#
+# "After the cursor" in service order mixes directions (priority falls, the rest rises), which no row
+# comparison says. It is three ranges of jobs_queue, each read in index order and cut at a page: the
+# cursor's lane and priority past its (fair_rank, created_at, id); the cursor's lane at a lower
+# priority; the lanes after the cursor's. The three are put in order by `part` (at most three pages
+# of rows sorted), so a page reads at most three pages of index entries (plus the scheduled jobs it
+# passes over), wherever in a long queue it starts. The first page's cursor is lane '' (before every
+# lane name): only the third range has rows.
+_ELIGIBLE_RANGE: LiteralString = (
+    "SELECT j.id, j.lane, j.priority, j.fair_rank, j.created_at, {part} AS part FROM pglane.jobs j"
+    " WHERE j.in_queue AND j.run_after <= now() AND (%(lane)s::text IS NULL OR j.lane = %(lane)s) AND {where}"
+    " ORDER BY {order} LIMIT %(limit)s"
 )
+JOBS_ELIGIBLE: LiteralString = (
+    "SELECT p.id, p.lane FROM ("
+    "(" + _ELIGIBLE_RANGE.format(
+        part="1", where="j.lane = %(c_lane)s::text AND j.priority = %(c_priority)s::integer"
+        " AND (j.fair_rank, j.created_at, j.id) > (%(c_rank)s::bigint, %(c_created)s::timestamptz, %(c_id)s::bigint)",
+        order="j.fair_rank, j.created_at, j.id") + ")"
+    " UNION ALL (" + _ELIGIBLE_RANGE.format(
+        part="2", where="j.lane = %(c_lane)s::text AND j.priority < %(c_priority)s::integer",
+        order="j.priority DESC, j.fair_rank, j.created_at, j.id") + ")"
+    " UNION ALL (" + _ELIGIBLE_RANGE.format(
+        part="3", where="j.lane > %(c_lane)s::text",
+        order="j.lane, j.priority DESC, j.fair_rank, j.created_at, j.id") + ")"
+    ") p ORDER BY p.part, p.lane, p.priority DESC, p.fair_rank, p.created_at, p.id LIMIT %(limit)s"
+)
+# The scheduled jobs: no index orders them (the queue index is read for the lane, or whole, and the
+# scheduled ones sorted, as before #32), so the cursor is one condition, written out.
 JOBS_SCHEDULED: LiteralString = (
     "SELECT j.id, j.lane FROM pglane.jobs j"
     " WHERE j.in_queue AND j.run_after > now() AND (%(lane)s::text IS NULL OR j.lane = %(lane)s)"
-    " AND (j.run_after, j.created_at, j.id) > (%(c_run_after)s::timestamptz, %(c_created)s::timestamptz,"
-    " %(c_id)s::bigint)"
-    " ORDER BY j.run_after, j.created_at, j.id LIMIT %(limit)s"
+    " AND j.run_after >= %(c_run_after)s::timestamptz"
+    " AND (j.run_after > %(c_run_after)s::timestamptz OR j.priority < %(c_priority)s::integer"
+    "      OR (j.priority = %(c_priority)s::integer AND (j.fair_rank, j.created_at, j.id)"
+    "          > (%(c_rank)s::bigint, %(c_created)s::timestamptz, %(c_id)s::bigint)))"
+    " ORDER BY j.run_after, j.priority DESC, j.fair_rank, j.created_at, j.id LIMIT %(limit)s"
 )
 # The rest, newest first. Failed and cancelled jobs are read through their partial index
 # (failed_or_cancelled), running ones through the running attempts, not by a walk down the history.
@@ -57,16 +82,34 @@ JOBS_KEYED: LiteralString = (
 )
 # Where a cursor job stands: its section and sort key.
 JOB_CURSOR: LiteralString = (
-    "SELECT j.lane, j.created_at, j.run_after, j.in_queue, j.run_after > now() AS scheduled"
+    "SELECT j.lane, j.priority, j.fair_rank, j.created_at, j.run_after, j.in_queue, j.run_after > now() AS scheduled"
     " FROM pglane.jobs j WHERE j.id = %s"
 )
 # The shown jobs' rows: job_status's columns but queue_position (a count per row, O(position) each).
 JOB_ROWS: LiteralString = (
     "SELECT job_id, lane, status, created_at, run_after, waiting_for_worker, attempts, idempotency_key,"
-    " next_safe_action FROM pglane.job_status WHERE job_id = ANY(%s)"
+    " next_safe_action, group_key, priority FROM pglane.job_status WHERE job_id = ANY(%s)"
 )
-# job_status's own count, for one job per lane and page.
-JOB_POSITIONS: LiteralString = "SELECT job_id, queue_position FROM pglane.job_status WHERE job_id = ANY(%s)"
+# A queued job's place in its lane's queue, for one job per lane and page: job_status's queue_position
+# (sql/views.sql), the same number (tests/test_web.py holds them equal), counted as ranges of the queue
+# index: the lane's eligible jobs of a higher priority, then those of its priority up to it in
+# (fair_rank, created_at, id). So an eligible job's place costs its place (index entries and their
+# rows, for run_after), not its lane's queue; job_status's one condition over the mixed-direction order
+# is no index range, and reads the lane's every job. A scheduled job's place counts the lane's eligible
+# jobs and the scheduled ones before it (no index orders run_after): its lane's queue, as before.
+JOB_POSITIONS: LiteralString = (
+    "SELECT j.id AS job_id, CASE WHEN j.run_after <= now() THEN"
+    "  (SELECT count(*) FROM pglane.jobs q WHERE q.lane = j.lane AND q.in_queue AND q.priority > j.priority"
+    "    AND q.run_after <= now())"
+    "  + (SELECT count(*) FROM pglane.jobs q WHERE q.lane = j.lane AND q.in_queue AND q.priority = j.priority"
+    "    AND (q.fair_rank, q.created_at, q.id) <= (j.fair_rank, j.created_at, j.id) AND q.run_after <= now())"
+    " ELSE (SELECT count(*) FROM pglane.jobs q WHERE q.lane = j.lane AND q.in_queue"
+    "   AND (q.run_after <= now() OR q.run_after < j.run_after OR (q.run_after = j.run_after"
+    "        AND (q.priority > j.priority OR (q.priority = j.priority"
+    "             AND (q.fair_rank, q.created_at, q.id) <= (j.fair_rank, j.created_at, j.id))))))"
+    " END AS queue_position"
+    " FROM pglane.jobs j WHERE j.id = ANY(%s) AND j.status = 'queued'"
+)
 
 # The payload is not in job_status (producers read that view too); operators may read pglane.jobs.
 JOB_PAYLOAD: LiteralString = "SELECT payload FROM pglane.jobs WHERE id = %s"
