@@ -262,12 +262,107 @@ def test_a_queued_job_says_why_it_waits_and_where_it_stands(page: TestClient, co
     assert first < second
 
 
-def test_a_job_shows_its_group_and_priority(page: TestClient, conn: Any, lane: str) -> None:
-    job = pglane.enqueue(conn, lane, {}, group="acme", priority=3)
-    body = page.get(f"/jobs/{job}").text
+def _section(body: str, lane: str) -> str:
+    """One lane's section of the lanes page."""
+    start = body.index(f'id="lane-{lane}"')
+    end = body.find('<section class="lane"', start)
+    return body[start:end if end >= 0 else len(body)]
+
+
+def _groups(body: str) -> list[list[str]]:
+    """The busiest groups table of a lane's page: its rows' cells as text."""
+    return [[re.sub(r"<[^>]+>", "", c).strip() for c in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)]
+            for row in re.findall(r'<tr class="group">(.*?)</tr>', body, re.S)]
+
+
+def test_the_lanes_page_shows_each_lanes_group_limit_and_waiting_groups_and_links_to_the_lane(
+    page: TestClient, conn: Any, lane: str
+) -> None:
+    pglane.create_lane(conn, "email", job_timeout=60, group_slots=2)
+    for group in ("acme", "beta", "beta", None):
+        pglane.enqueue(conn, "email", {}, group=group)
+    pglane.enqueue(conn, lane, {})
+    body = page.get("/").text
+    email, brain = _section(body, "email"), _section(body, lane)
+    assert re.search(r'groups waiting</dt><dd><a href="/lanes/email#groups">3</a>', email)  # acme, beta, no group
+    assert "group slots</dt><dd>2 a group</dd>" in email
+    assert re.search(r'groups waiting</dt><dd><a href="/lanes/brain#groups">1</a>', brain)
+    assert "group slots</dt><dd>no limit</dd>" in brain
+    # each lane's groups are on its own page: the lanes page does not read them for every lane
+    assert 'class="groups"' not in body and "Busiest groups" not in body
+    assert "group slots</dt><dd>2 a group</dd>" in _section(page.get("/?fragment=1").text, "email")
+
+
+def test_a_lanes_own_page_shows_its_five_busiest_groups(
+    page: TestClient, conn: Any, session: Callable[..., Any]
+) -> None:
+    pglane.create_lane(conn, "tenants", job_timeout=60, group_slots=2)
+    depth = {"g2": 6, "g4": 4, "g6": 3, "g3": 2, "g5": 1, "g1": 1}  # g2 first: the claim below takes its job
+    for group, n in depth.items():
+        for _ in range(n):
+            pglane.enqueue(conn, "tenants", {}, group=group)
+    for _ in range(7):
+        pglane.enqueue(conn, "tenants", {})
+    worker = session()
+    take_slot(worker, "tenants")
+    assert pglane.job_status(conn, claimed(worker, "tenants")["job_id"])["group_key"] == "g2"
+    conn.execute("UPDATE pglane.jobs SET created_at = created_at - interval '10 minutes' WHERE group_key = 'g4'")
+    response = page.get("/lanes/tenants")
+    assert response.status_code == 200
+    body = response.text
+    assert "<h1>Lane tenants</h1>" in body and 'id="lane-tenants"' in body
+    assert re.search(r'groups waiting</dt><dd><a href="/lanes/tenants#groups">7</a>', body)
+    groups = _groups(body)
+    # the deepest queues first: no group (7), g2 (5 queued, 1 running), g4, g6, g3; g5 and g1 not shown
+    assert [g[:3] for g in groups] == [["no group (shared)", "7", "0 of 2"], ["g2", "5", "1 of 2"],
+                                       ["g4", "4", "0 of 2"], ["g6", "3", "0 of 2"], ["g3", "2", "0 of 2"]]
+    assert groups[2][3].startswith("10 min")  # g4's oldest job, moved 10 minutes back
+    assert groups[0][4] == "not recorded" and groups[1][4].endswith(" UTC") and groups[2][4] == "never"
+    assert "7 waiting" in body
+    fragment = page.get("/lanes/tenants", params={"fragment": "1"}).text
+    assert "<html" not in fragment and [g[:3] for g in _groups(fragment)] == [g[:3] for g in groups]
+
+
+def test_a_lanes_page_shows_groups_only_for_a_lane_with_grouped_jobs(
+    page: TestClient, conn: Any, lane: str, session: Callable[..., Any]
+) -> None:
+    for _ in range(3):
+        pglane.enqueue(conn, lane, {})
+    plain = page.get(f"/lanes/{lane}").text
+    assert '<table class="groups">' not in plain and f"No queued or running job of lane {lane} has a group." in plain
+    pglane.create_lane(conn, "solo", job_timeout=60)  # one group waiting, and it has a name
+    for _ in range(2):
+        pglane.enqueue(conn, "solo", {}, group="acme")
+    solo = _groups(page.get("/lanes/solo").text)
+    assert [g[:3] + g[4:] for g in solo] == [["acme", "2", "0", "never"]] and solo[0][3].endswith(" s")
+    pglane.create_lane(conn, "busy", job_timeout=60)  # nothing waiting: its one grouped job runs
+    pglane.enqueue(conn, "busy", {}, group="acme")
+    worker = session()
+    take_slot(worker, "busy")
+    claimed(worker, "busy")
+    assert [g[:3] for g in _groups(page.get("/lanes/busy").text)] == [["acme", "0", "1"]]
+    assert page.get("/lanes/nowhere").status_code == 404
+    assert page.get("/lanes/Not a lane").status_code == 404
+
+
+def test_a_job_shows_its_group_and_priority_and_when_it_waits_for_its_group(
+    page: TestClient, conn: Any, session: Callable[..., Any]
+) -> None:
+    pglane.create_lane(conn, "tenants", job_timeout=60, slots=2, group_slots=1)
+    first = pglane.enqueue(conn, "tenants", {}, group="acme", priority=3)
+    second = pglane.enqueue(conn, "tenants", {}, group="acme")
+    plain = pglane.enqueue(conn, "tenants", {})
+    worker = session()
+    take_slot(worker, "tenants")
+    assert claimed(worker, "tenants")["job_id"] == first
+    body = page.get(f"/jobs/{first}").text
     assert '<dt>group</dt><dd class="key">acme</dd>' in body
     assert "<dt>priority</dt><dd>3 (higher starts first)</dd>" in body
-    assert "none (the lane&#39;s shared group)" in page.get(f"/jobs/{pglane.enqueue(conn, lane, {})}").text
+    assert '<a href="/lanes/tenants">tenants</a>' in body
+    waiting = page.get(f"/jobs/{second}").text
+    assert "<dt>priority</dt><dd>0</dd>" in waiting
+    assert "group acme is at its limit of 1 running job(s)" in waiting
+    assert "none (the lane&#39;s shared group)" in page.get(f"/jobs/{plain}").text
 
 
 def test_every_value_from_the_database_is_shown_as_text(

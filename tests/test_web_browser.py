@@ -196,6 +196,26 @@ def test_the_page_refreshes_in_place(server: WebServer, page: Page, conn: Any, l
     assert page.evaluate("window.pglaneNotReloaded === true"), "the page reloaded instead of refreshing its part"
 
 
+def test_a_lanes_own_page_shows_its_busiest_groups_and_refreshes_them_in_place(
+    server: WebServer, page: Page, conn: Any, lane: str
+) -> None:
+    for group, n in (("acme", 3), ("beta", 1)):
+        for _ in range(n):
+            pglane.enqueue(conn, lane, {}, group=group)
+    page.goto(server.url + "/")
+    section(page, lane).locator("a[href$='#groups']").click()  # its groups waiting: 2
+    expect(page.locator("h1")).to_have_text(f"Lane {lane}")
+    rows = page.locator("table.groups tbody tr")
+    expect(rows).to_have_count(2)
+    expect(rows.first).to_contain_text("acme")
+    page.evaluate("window.pglaneNotReloaded = true")
+    for _ in range(4):
+        pglane.enqueue(conn, lane, {}, group="gamma")
+    expect(rows).to_have_count(3, timeout=15_000)
+    expect(rows.first).to_contain_text("gamma")  # the deepest queue first
+    assert page.evaluate("window.pglaneNotReloaded === true"), "the page reloaded instead of refreshing its part"
+
+
 def test_reading_works_with_javascript_off(
     browser: Browser, server: WebServer, conn: Any, lane: str, workers: Workers
 ) -> None:

@@ -406,7 +406,7 @@ PER_LANE_FUNCTIONS = ("pglane.lane_queue(text)", "pglane.in_flight(text)", "pgla
                       "pglane.rate_next_start(text)")
 
 
-def per_lane_calls(conn: Any, query: str, params: dict[str, Any] | None = None) -> dict[str, int]:
+def per_lane_calls(conn: Any, query: str, params: dict[str, Any] | tuple[Any, ...] | None = None) -> dict[str, int]:
     """How many times ``query`` calls each function lane_status calls once per lane it computes:
     counted by PostgreSQL itself (track_functions = 'all', this transaction's counts)."""
     def calls() -> dict[str, int]:  # this session's counts not yet sent to the statistics (so: a difference)
@@ -448,6 +448,22 @@ def test_a_page_of_lanes_computes_its_lanes_only(conn: Any, lane: str) -> None:
     for row in shown:
         assert row == whole[row["lane"]]
     assert whole[lane]["queued"] == 5_000 and whole["l7"]["queued"] == 0
+
+
+def test_a_lanes_own_page_computes_that_lane_only_and_asks_for_groups_with_one_probe(conn: Any, lane: str) -> None:
+    """The lane's page (#32) reads its one lane's status among 2,000 lanes, and whether the lane has
+    grouped jobs from an index probe or two, not from its 5,000 queued jobs; group_status, which reads
+    the lane's queue, is asked only by that page, for that lane."""
+    from pglane.web.queries import LANE_GROUPED, LANE_ONE
+
+    seed(conn, jobs=5_000, lanes=2_000)
+    assert per_lane_calls(conn, LANE_ONE, (lane,)) == {f: 1 for f in PER_LANE_FUNCTIONS}
+    for grouped in (False, True):
+        with conn.transaction():
+            before = conn.execute(JOBS_READS).fetchone()["n"]
+            assert conn.execute(LANE_GROUPED, {"lane": lane}).fetchone()["grouped"] is grouped
+            assert conn.execute(JOBS_READS).fetchone()["n"] - before < 10
+        pglane.enqueue(conn, lane, {}, group="acme")
 
 
 def test_the_charts_of_a_long_queue_count_it_without_reading_its_jobs_one_by_one(

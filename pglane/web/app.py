@@ -61,6 +61,7 @@ STATEMENT_TIMEOUT = 5.0
 MAX_FORM_BYTES = 64 * 1024  # an action's form is a few hundred bytes; a longer body is refused (413)
 FORM_TYPE = "application/x-www-form-urlencoded"
 LANE_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,47}$")
+GROUPS_SHOWN = 5  # a lane's busiest groups on its own page (pglane.group_status, deepest queue first)
 # Where the queued jobs' sections start (web_queries.JOBS_ELIGIBLE, JOBS_SCHEDULED): before every lane
 # name (''), every priority (a job's is an integer) and every time.
 FIRST_CURSOR: dict[str, Any] = {"c_lane": "", "c_priority": 2**31 - 1, "c_rank": 0, "c_created": "-infinity",
@@ -205,6 +206,27 @@ class Page:
                                               "chart_h": charts.HEIGHT, "now": datetime.now(UTC),
                                               "after": after, "prefix": prefix,
                                               "next_after": lanes[-1]["lane"] if more else None})
+
+    async def lane(self, request: Request) -> Response:
+        """One lane: its state as on the lanes page, and its busiest groups (GROUPS_SHOWN, from
+        pglane.group_status) when any of its queued or running jobs has a group. group_status reads the
+        lane's queue once (its backlog), so only this page asks for it, for its one lane: the lanes page's
+        cost stays its lanes' statuses."""
+        name = request.path_params["lane"]
+        if not LANE_NAME.match(name):
+            raise HTTPException(404, f"no lane {name!r}: lane names are a-z, 0-9, _ and -, starting with a letter")
+        async with self.connection() as conn:
+            found = await self.fetch(conn, web_queries.LANE_ONE, (name,))
+            if not found:
+                raise HTTPException(404, f"no lane {name}: list the lanes with: pglane lane list")
+            lane = found[0]
+            grouped = lane["groups_waiting"] > 1 or bool(
+                (await self.fetch(conn, web_queries.LANE_GROUPED, {"lane": name}))[0]["grouped"])
+            groups = await self.fetch(conn, queries.GROUP_STATUS, (name, GROUPS_SHOWN)) if grouped else []
+        history = await self.history((name,))
+        return self.render(request, "lane", {"l": lane, "groups": groups, "charts": history,
+                                             "chart_w": charts.WIDTH, "chart_h": charts.HEIGHT,
+                                             "now": datetime.now(UTC)})
 
     async def history(self, lanes: tuple[str, ...]) -> dict[str, list[charts.Chart]]:
         """The last hour of the lanes shown, read at most every HISTORY_TTL seconds per page of lanes."""
@@ -520,6 +542,7 @@ def create_app(dsn: str, *, token: str | None = None, allowed_hosts: Sequence[st
     app = Starlette(
         routes=[
             Route("/", page.lanes, name="lanes"),
+            Route("/lanes/{lane}", page.lane, name="lane"),
             Route("/jobs", page.jobs, name="jobs"),
             Route("/jobs/{job_id:int}", page.job, name="job"),
             Route("/confirm/{action}", page.confirm, name="confirm"),

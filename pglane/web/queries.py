@@ -15,6 +15,20 @@ LANE_PAGE: LiteralString = (
     " ORDER BY l.name LIMIT %(limit)s)) ORDER BY lane"
 )
 
+# One lane's page: its row of lane_status, computed for that lane only (the view computes a lane where
+# its row of pglane.lanes is read, as for LANE_PAGE).
+LANE_ONE: LiteralString = "SELECT * FROM pglane.lane_status WHERE lane = %s"
+# Whether a lane has grouped jobs (its busiest groups are shown then): a queued job with a group (the
+# greatest group key of the lane's queue is not '', the shared group's key in jobs_group_queue: read
+# backward, one index entry), or a running one (the running attempts, bounded by the workers). Asked
+# only when lane_status's groups_waiting does not say so already (more than one group waiting).
+LANE_GROUPED: LiteralString = (
+    "SELECT coalesce((SELECT max(coalesce(j.group_key, '')) FROM pglane.jobs j"
+    "                  WHERE j.lane = %(lane)s AND j.in_queue) > '', false)"
+    " OR EXISTS (SELECT 1 FROM pglane.attempts a JOIN pglane.jobs j ON j.id = a.job_id"
+    "            WHERE a.status = 'running' AND j.lane = %(lane)s AND j.group_key IS NOT NULL) AS grouped"
+)
+
 # The jobs list, one page at a time, in three sections: the queued jobs that may run now, lane by lane
 # in each lane's service order (priority DESC, fair_rank, created_at, id: the claim's pick, sql/claim.sql,
 # and the queue index jobs_queue's own order); then the scheduled ones (run_after in the future) by
