@@ -274,16 +274,18 @@ SELECT j.id AS job_id, j.lane, j.status, j.created_at, j.run_after, j.started_at
         AND NOT CASE WHEN l.group_slots IS NULL OR j.run_after > now() THEN false  -- waits for its group
                      ELSE pglane.group_in_flight(l, j.group_key) >= l.group_slots END)
            AS waiting_for_worker,
-       CASE WHEN j.status = 'queued' THEN
-           (SELECT count(*) FROM pglane.jobs q
-             WHERE q.lane = j.lane AND q.in_queue
-               AND CASE WHEN j.run_after <= now()
-                        THEN q.run_after <= now() AND (q.priority > j.priority OR (q.priority = j.priority
-                             AND (q.fair_rank, q.created_at, q.id) <= (j.fair_rank, j.created_at, j.id)))
-                        ELSE q.run_after <= now() OR (q.run_after < j.run_after) OR (q.run_after = j.run_after
-                             AND (q.priority > j.priority OR (q.priority = j.priority
-                                  AND (q.fair_rank, q.created_at, q.id) <= (j.fair_rank, j.created_at, j.id))))
-                   END)
+       CASE WHEN j.status <> 'queued' THEN NULL
+            WHEN j.run_after <= now() THEN  -- two ranges of jobs_queue: the higher priorities, then its own up to it
+               (SELECT count(*) FROM pglane.jobs q WHERE q.lane = j.lane AND q.in_queue AND q.priority > j.priority
+                   AND q.run_after <= now())
+             + (SELECT count(*) FROM pglane.jobs q WHERE q.lane = j.lane AND q.in_queue AND q.priority = j.priority
+                   AND (q.fair_rank, q.created_at, q.id) <= (j.fair_rank, j.created_at, j.id) AND q.run_after <= now())
+            ELSE  -- scheduled: after every eligible job, then by run_after and service order
+               (SELECT count(*) FROM pglane.jobs q
+                 WHERE q.lane = j.lane AND q.in_queue
+                   AND (q.run_after <= now() OR q.run_after < j.run_after OR (q.run_after = j.run_after
+                        AND (q.priority > j.priority OR (q.priority = j.priority
+                             AND (q.fair_rank, q.created_at, q.id) <= (j.fair_rank, j.created_at, j.id))))))
        END AS queue_position,
        j.attempts, j.seq, j.idempotency_key, j.last_error,
        a.id AS attempt_id, a.status AS attempt_status,
