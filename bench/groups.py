@@ -27,12 +27,15 @@ counts the lane's full groups under the counters lock, full_groups, and the pick
   most calls of one group in progress at once (must be 1), the most calls in progress at all, and the
   calls made. The same on a control lane without group_slots shows that the ledger sees overlaps.
 - ``enqueue``: one producer, one commit per job, into ``limit`` (a group each, round-robin over G) and
-  into ``plain`` (none): a plain INSERT and pglane.enqueue(), the four variants in rotated order each
-  repetition (as the enqueue part of a server's run); and a bulk ``INSERT ... SELECT`` of B jobs
-  (default 100,000) into a fresh lane, with G groups against none, alternating. Every insert computes
-  its job's round (fair_rank, one index probe), with a group or without; the ratios groups/plain per
-  repetition, their median and interval. Untimed, the round's own share: fair_rank's and the insert
-  trigger's time per job (pg_stat_user_functions).
+  into ``plain`` (none), a plain INSERT and pglane.enqueue(): the four kinds interleaved job by job in
+  an order rotated each time (finer than the enqueue part of a server's run, which rotates runs of
+  jobs: on a shared machine a run of a second catches a burst that the next one misses), each
+  statement timed; jobs per second of each kind (jobs over the sum of their times), the ratio
+  groups/plain with a paired bootstrap interval, and the p50 latency ratio. Then a bulk ``INSERT ...
+  SELECT`` of B jobs (default 100,000) into a fresh lane, with G groups against none, alternating, R
+  repetitions; the ratio per repetition, its median and interval. Every insert computes its job's
+  round (fair_rank, one index probe), with a group or without. Untimed, the round's own share:
+  fair_rank's and the insert trigger's time per job (pg_stat_user_functions).
 
 It starts its own embedded PostgreSQL (fsync on) unless PGLANE_DSN is set (then it makes its lanes,
 named ``grp_*``, in that database). The machine's load average and CPU busy share are recorded per
@@ -64,7 +67,17 @@ from pglane import queries, schema
 from .pglane_runs import claim_and_complete, lane_id
 from .procs import ROOT
 from .server import env_or_embedded, quiesce
-from .stats import latency_ms, median_interval, percentile, ratio_interval, rotations, summary, verdict, wait_until
+from .stats import (
+    latency_ms,
+    median_interval,
+    percentile,
+    ratio_interval,
+    rotations,
+    sum_ratio_interval,
+    summary,
+    verdict,
+    wait_until,
+)
 
 LANES = {"limit": "grp_limit", "fair": "grp_fair", "plain": "grp_plain"}
 SLOTS = 6
@@ -443,63 +456,74 @@ def ledger(dsn: str, conn: psycopg.Connection[Any], workers: int, jobs: int, gro
 
 # ----- enqueue -------------------------------------------------------------------------------------
 
-def _single(query: LiteralString, backlog: Backlog, grouped: bool) -> Callable[[psycopg.Connection[Any], int], None]:
-    """n jobs, one autocommitted statement each: a plain INSERT or pglane.enqueue(); with a group each
-    (round-robin over the lane's groups) or none."""
-    def run(conn: psycopg.Connection[Any], n: int) -> None:
-        for _ in range(n):
-            i = backlog.next
-            group = group_of(i, backlog.groups) if grouped and backlog.groups else None
-            if query is INSERT:
-                conn.execute(INSERT, (backlog.lane, f'{{"n": {i}}}', group))
-            else:
-                conn.execute(query, (backlog.lane, f'{{"n": {i}}}', None, None, "error", 1, group, 0))
-            backlog.next += 1
+def _one_statement(query: LiteralString, backlog: Backlog, grouped: bool
+                   ) -> Callable[[psycopg.Connection[Any]], float]:
+    """One job, one autocommitted statement, timed on the client: a plain INSERT or pglane.enqueue();
+    with a group (round-robin over the lane's groups) or none."""
+    def run(conn: psycopg.Connection[Any]) -> float:
+        i = backlog.next
+        group = group_of(i, backlog.groups) if grouped and backlog.groups else None
+        params: tuple[object, ...] = ((backlog.lane, f'{{"n": {i}}}', group) if query is INSERT else
+                                      (backlog.lane, f'{{"n": {i}}}', None, None, "error", 1, group, 0))
+        t0 = time.perf_counter()
+        conn.execute(query, params)
+        elapsed = time.perf_counter() - t0
+        backlog.next += 1
+        return elapsed
     return run
 
 
 def enqueue(dsn: str, conn: psycopg.Connection[Any], backlogs: dict[str, Backlog], n: int, bulk: int, groups: int,
             repetitions: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"jobs_per_run": n, "bulk_jobs": bulk, "repetitions": repetitions}
-    variants = {"insert_groups": _single(INSERT, backlogs["limit"], True),
-                "insert_plain": _single(INSERT, backlogs["plain"], False),
-                "enqueue_groups": _single(queries.ENQUEUE, backlogs["limit"], True),
-                "enqueue_plain": _single(queries.ENQUEUE, backlogs["plain"], False)}
-    runs: dict[str, list[float]] = {name: [] for name in variants}
+    out: dict[str, Any] = {"jobs_per_variant": n, "bulk_jobs": bulk, "bulk_repetitions": repetitions}
+    variants = {"insert_groups": _one_statement(INSERT, backlogs["limit"], True),
+                "insert_plain": _one_statement(INSERT, backlogs["plain"], False),
+                "enqueue_groups": _one_statement(queries.ENQUEUE, backlogs["limit"], True),
+                "enqueue_plain": _one_statement(queries.ENQUEUE, backlogs["plain"], False)}
+    times: dict[str, list[float]] = {name: [] for name in variants}
     bulks: dict[str, list[float]] = {"bulk_groups": [], "bulk_plain": []}
-    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as session, \
-            machine(out.setdefault("machine", {})):
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as session:
+        for name in variants:  # untimed: the session's plans cached
+            for _ in range(20):
+                variants[name](session)
         quiesce(dsn)
-        print(f"enqueue: one commit per job, {n} per run, {repetitions} repetitions", flush=True)
-        for _, name in rotations(list(variants), repetitions):
-            t0 = time.perf_counter()
-            variants[name](session, n)
-            runs[name].append(n / (time.perf_counter() - t0))
+        print(f"enqueue: one commit per job, {n} of each kind, interleaved job by job", flush=True)
+        with machine(out.setdefault("machine_single", {})):
+            for _, name in rotations(list(variants), n):
+                times[name].append(variants[name](session))
         print(f"enqueue: INSERT ... SELECT of {bulk:,} into a fresh lane, {repetitions} repetitions", flush=True)
-        for r in range(repetitions):
-            for case in (("bulk_groups", "bulk_plain") if r % 2 == 0 else ("bulk_plain", "bulk_groups")):
-                lane = f"grp_{case}_{r}"
-                pglane.create_lane(session, lane, job_timeout=600)
-                fresh = Backlog(lane, groups if case == "bulk_groups" else None)
-                quiesce(dsn)
-                t0 = time.perf_counter()
-                fresh.load(session, bulk)
-                bulks[case].append(bulk / (time.perf_counter() - t0))
-    for name, values in (runs | bulks).items():
+        with machine(out.setdefault("machine_bulk", {})):
+            for r in range(repetitions):
+                for case in (("bulk_groups", "bulk_plain") if r % 2 == 0 else ("bulk_plain", "bulk_groups")):
+                    lane = f"grp_{case}_{r}"
+                    pglane.create_lane(session, lane, job_timeout=600)
+                    fresh = Backlog(lane, groups if case == "bulk_groups" else None)
+                    quiesce(dsn)
+                    t0 = time.perf_counter()
+                    fresh.load(session, bulk)
+                    bulks[case].append(bulk / (time.perf_counter() - t0))
+    for name, samples in times.items():
+        out[name] = {"jobs_per_s": len(samples) / sum(samples), **latency_ms(samples)}
+    for a, b in (("insert_groups", "insert_plain"), ("enqueue_groups", "enqueue_plain")):
+        low, high = sum_ratio_interval(times[b], times[a])  # time per job of b over a: a's jobs/s over b's
+        out[f"{a}/{b}"] = {"ratio": sum(times[b]) / sum(times[a]), "interval_90": [low, high],
+                           "p50_latency_ratio": statistics.median(times[a]) / statistics.median(times[b]),
+                           "p50_interval_90": list(ratio_interval(times[a], times[b], 50))}
+    for name, values in bulks.items():
         out[name] = {"jobs_per_s": summary(values)}
-    for a, b in (("insert_groups", "insert_plain"), ("enqueue_groups", "enqueue_plain"),
-                 ("bulk_groups", "bulk_plain")):
-        ratios = [x / y for x, y in zip((runs | bulks)[a], (runs | bulks)[b], strict=True)]
-        out[f"{a}/{b}"] = {"ratio": statistics.median(ratios), "interval_90": list(median_interval(ratios))}
+    ratios = [x / y for x, y in zip(bulks["bulk_groups"], bulks["bulk_plain"], strict=True)]
+    out["bulk_groups/bulk_plain"] = {"ratio": statistics.median(ratios), "interval_90": list(median_interval(ratios)),
+                                     "per_repetition": ratios}
 
     where: dict[str, Any] = {}
     units = min(n, 500)
     for name, grouped, backlog in (("groups", True, backlogs["limit"]), ("plain", False, backlogs["plain"])):
-        one = _single(INSERT, backlog, grouped)
+        one = _one_statement(INSERT, backlog, grouped)
 
-        def work(s: psycopg.Connection[dict[str, Any]], one: Callable[[psycopg.Connection[Any], int], None] = one
+        def work(s: psycopg.Connection[dict[str, Any]], one: Callable[[psycopg.Connection[Any]], float] = one
                  ) -> None:
-            one(s, units)
+            for _ in range(units):
+                one(s)
         where[name] = functions_per(dsn, conn, units, work, "jobs_before_insert")
     out["server_time_per_insert"] = where
     return out
@@ -560,13 +584,18 @@ def report(found: dict[str, Any]) -> str:
         lines.append(f"  most at once per group on the limited lane = 1: {led['verdict']}")
     if "enqueue" in found:
         e = found["enqueue"]
-        lines.append(f"enqueue ({e['jobs_per_run']} per run, bulk {e['bulk_jobs']:,}, {e['repetitions']} repetitions;"
-                     f" {_machine(e['machine'])}):")
-        for a, b in (("insert_groups", "insert_plain"), ("enqueue_groups", "enqueue_plain"),
-                     ("bulk_groups", "bulk_plain")):
+        lines.append(f"enqueue, one commit per job, {e['jobs_per_variant']} of each kind interleaved"
+                     f" ({_machine(e['machine_single'])}):")
+        for a, b in (("insert_groups", "insert_plain"), ("enqueue_groups", "enqueue_plain")):
             r = e[f"{a}/{b}"]
-            lines.append(f"  {a} {e[a]['jobs_per_s']['median']:,.0f} / {b} {e[b]['jobs_per_s']['median']:,.0f}"
-                         f" jobs/s: {r['ratio']:.3f} {_iv(r['interval_90'])}")
+            lines.append(f"  {a} {e[a]['jobs_per_s']:,.0f} / {b} {e[b]['jobs_per_s']:,.0f} jobs/s:"
+                         f" {r['ratio']:.3f} {_iv(r['interval_90'])}; p50 latency {e[a]['p50_ms']:.3f} /"
+                         f" {e[b]['p50_ms']:.3f} ms: {r['p50_latency_ratio']:.3f} {_iv(r['p50_interval_90'])}")
+        r = e["bulk_groups/bulk_plain"]
+        lines.append(f"  INSERT ... SELECT of {e['bulk_jobs']:,} into a fresh lane x {e['bulk_repetitions']}"
+                     f" ({_machine(e['machine_bulk'])}): groups {e['bulk_groups']['jobs_per_s']['median']:,.0f} /"
+                     f" none {e['bulk_plain']['jobs_per_s']['median']:,.0f} jobs/s: {r['ratio']:.3f}"
+                     f" {_iv(r['interval_90'])}")
         for name, funcs in e["server_time_per_insert"].items():
             if funcs:
                 trig = funcs.get("jobs_before_insert", {})
@@ -585,21 +614,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--claims", type=int, help="timed claims per lane and phase (default 2000; quick 600)")
     parser.add_argument("--others", type=int, default=SLOTS - 1,
                         help=f"other running jobs per lane in the busy phase (default {SLOTS - 1})")
-    parser.add_argument("--rounds", type=int, help="drains per lane, and enqueue repetitions (default 5; quick 3)")
-    parser.add_argument("--drain-jobs", type=int, help="jobs per drain (default 3000; quick 1000)")
+    parser.add_argument("--rounds", type=int, help="drains per lane, and bulk enqueues (default 6; quick 3)")
+    parser.add_argument("--drain-jobs", type=int, help="jobs per drain (default 1500; quick 600)")
     parser.add_argument("--workers", type=int, default=6, help="ledger: worker processes (default 6)")
     parser.add_argument("--ledger-groups", type=int, default=50, help="ledger: groups (default 50)")
     parser.add_argument("--ledger-jobs", type=int, help="ledger: jobs (default 300; quick 150)")
     parser.add_argument("--sleep", type=float, default=0.02, help="ledger: each call's sleep (default 0.02 s)")
-    parser.add_argument("--enqueue-jobs", type=int, help="jobs per single-row run (default 2000; quick 500)")
+    parser.add_argument("--enqueue-jobs", type=int, help="single-row enqueues of each kind (default 2000; quick 500)")
     parser.add_argument("--bulk", type=int, help="jobs of the bulk INSERT ... SELECT (default 100000; quick 20000)")
     parser.add_argument("--only", nargs="*", choices=PARTS, help="some of the parts (default: all)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
     q = args.quick
     claims = args.claims or (600 if q else 2000)
-    rounds = args.rounds or (3 if q else 5)
-    drain_jobs = args.drain_jobs or (1000 if q else 3000)
+    rounds = args.rounds or (3 if q else 6)
+    drain_jobs = args.drain_jobs or (600 if q else 1500)
     ledger_jobs_n = args.ledger_jobs or (150 if q else 300)
     enqueue_jobs = args.enqueue_jobs or (500 if q else 2000)
     bulk = args.bulk or (20_000 if q else 100_000)

@@ -57,6 +57,20 @@ def ratio_interval(a: Sequence[float], b: Sequence[float] | Sequence[Sequence[fl
     return _middle(found, level)
 
 
+def sum_ratio_interval(a: Sequence[float], b: Sequence[float], level: float = 0.90, rounds: int = 1000,
+                       seed: int = 1) -> tuple[float, float]:
+    """A bootstrap interval for sum(a) / sum(b) of two paired sets of samples (sample i of each from the
+    same round of an interleaved run, resampled by round): the ratio of two mean costs, e.g. the time
+    per job of two kinds of enqueue, whose inverse is the ratio of their throughputs."""
+    assert len(a) == len(b) and a, "paired samples"
+    rng = random.Random(seed)
+    found = []
+    for _ in range(rounds):
+        idx = rng.choices(range(len(a)), k=len(a))
+        found.append(sum(a[i] for i in idx) / sum(b[i] for i in idx))
+    return _middle(found, level)
+
+
 def median_interval(runs: Sequence[float], level: float = 0.90, rounds: int = 1000, seed: int = 1
                     ) -> tuple[float, float]:
     """A bootstrap interval of the median of ``runs`` (repetitions, or ratios taken within each
