@@ -33,6 +33,41 @@ $$;
 -- INSERT INTO pglane.jobs in any language. Both go through the same two triggers: jobs_before_insert
 -- (below) and jobs_after_insert (queue_bound.sql: a bounded lane's check, and the lane's wake-up).
 
+-- check_payload: what a job's payload must be (jobs_before_insert): a JSON object or array, within its
+-- lane's max_payload_bytes, and decodable by every consumer; raises what is wrong and what to do.
+CREATE OR REPLACE FUNCTION pglane.check_payload(p_payload jsonb, p_max_bytes integer, p_lane text) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_size integer;
+BEGIN
+    IF p_payload IS NULL OR jsonb_typeof(p_payload) NOT IN ('object', 'array') THEN
+        RAISE EXCEPTION USING ERRCODE = 'PGL02',
+            MESSAGE = format('payload must be a JSON object or array, not %s',
+                             coalesce(jsonb_typeof(p_payload), 'NULL')),
+            HINT = 'wrap the value, e.g. {"value": ...}';
+    END IF;
+    -- The size in jsonb's binary form, before the compression that storing may add.
+    v_size := pg_column_size(p_payload);
+    IF v_size > p_max_bytes THEN
+        RAISE EXCEPTION USING ERRCODE = 'PGL03',
+            MESSAGE = format('payload of %s bytes (in jsonb form, uncompressed) exceeds the %s-byte limit of lane %L',
+                             v_size, p_max_bytes, p_lane),
+            HINT = 'store large inputs elsewhere and enqueue a reference to them';
+    END IF;
+    -- What every consumer can decode: no value nested deeper than 64 levels, no number of 1000 or
+    -- more digits before the point (JSON decoders, Python's among them, refuse or overflow on them).
+    IF jsonb_path_exists(p_payload, 'strict $.**{65}') THEN
+        RAISE EXCEPTION USING ERRCODE = 'PGL02',
+            MESSAGE = 'payload is nested more than 64 levels deep',
+            HINT = 'flatten the payload; consumers cannot be relied on to decode deeper nesting';
+    END IF;
+    IF jsonb_path_exists(p_payload, 'strict $.** ? (@.type() == "number" && (@ >= 1e999 || @ <= -1e999))') THEN
+        RAISE EXCEPTION USING ERRCODE = 'PGL02',
+            MESSAGE = 'payload holds a number with 1000 or more digits before the point',
+            HINT = 'send such a number as a string';
+    END IF;
+END $$;
+
 -- jobs_before_insert: validate one new job. Runs before the unique check, so a refused row is never
 -- written, and a duplicate key with a bad payload is still refused for its payload.
 CREATE OR REPLACE FUNCTION pglane.jobs_before_insert() RETURNS trigger
@@ -41,7 +76,6 @@ SET search_path = pg_catalog, pglane, pg_temp
 AS $$
 DECLARE
     v_max_bytes integer;
-    v_size      integer;
     v_rate      integer;
     v_period    interval;
     v_weighted  boolean;
@@ -64,32 +98,7 @@ BEGIN
             HINT = 'insert only lane, payload, idempotency_key, run_after, cost, group_key and priority; '
                    'pglane sets the rest';
     END IF;
-    IF NEW.payload IS NULL OR jsonb_typeof(NEW.payload) NOT IN ('object', 'array') THEN
-        RAISE EXCEPTION USING ERRCODE = 'PGL02',
-            MESSAGE = format('payload must be a JSON object or array, not %s',
-                             coalesce(jsonb_typeof(NEW.payload), 'NULL')),
-            HINT = 'wrap the value, e.g. {"value": ...}';
-    END IF;
-    -- The size in jsonb's binary form, before the compression that storing may add.
-    v_size := pg_column_size(NEW.payload);
-    IF v_size > v_max_bytes THEN
-        RAISE EXCEPTION USING ERRCODE = 'PGL03',
-            MESSAGE = format('payload of %s bytes (in jsonb form, uncompressed) exceeds the %s-byte limit of lane %L',
-                             v_size, v_max_bytes, NEW.lane),
-            HINT = 'store large inputs elsewhere and enqueue a reference to them';
-    END IF;
-    -- What every consumer can decode: no value nested deeper than 64 levels, no number of 1000 or
-    -- more digits before the point (JSON decoders, Python's among them, refuse or overflow on them).
-    IF jsonb_path_exists(NEW.payload, 'strict $.**{65}') THEN
-        RAISE EXCEPTION USING ERRCODE = 'PGL02',
-            MESSAGE = 'payload is nested more than 64 levels deep',
-            HINT = 'flatten the payload; consumers cannot be relied on to decode deeper nesting';
-    END IF;
-    IF jsonb_path_exists(NEW.payload, 'strict $.** ? (@.type() == "number" && (@ >= 1e999 || @ <= -1e999))') THEN
-        RAISE EXCEPTION USING ERRCODE = 'PGL02',
-            MESSAGE = 'payload holds a number with 1000 or more digits before the point',
-            HINT = 'send such a number as a string';
-    END IF;
+    PERFORM pglane.check_payload(NEW.payload, v_max_bytes, NEW.lane);
     IF NEW.idempotency_key IS NOT NULL AND length(NEW.idempotency_key) NOT BETWEEN 1 AND 255 THEN
         RAISE EXCEPTION USING ERRCODE = 'PGL07',
             MESSAGE = format('idempotency key of %s characters; keys are 1 to 255 characters',

@@ -17,6 +17,7 @@ Create Date: 2026-12-06
 - lane_groups: when each group last had a job started (group_status's served_last).
 - The claim's pick and take take the job as a pglane.picked (id, cost, fair_rank, group_key); enqueue()
   gains p_group and p_priority; set_lane accepts group_slots, its parsing moved to lane_with;
+  jobs_before_insert's payload checks moved to check_payload (no change in what they refuse);
   job_status and lane_status gain their group columns (at the end).
 
 Applies groups.sql (new) and the files it changes: lanes.sql, jobs.sql, claim.sql, views.sql, roles.sql.
@@ -75,7 +76,8 @@ UNDO = """
     DROP FUNCTION pglane.enqueue(text, jsonb, text, timestamptz, text, integer, text, integer);
     DROP FUNCTION pglane.fair_rank(integer, text, text), pglane.group_in_flight(pglane.lanes, text),
         pglane.full_groups(pglane.lanes), pglane.served(integer, text, timestamptz), pglane.groups_waiting(text),
-        pglane.group_status(text, integer), pglane.lane_with(pglane.lanes, jsonb);
+        pglane.group_status(text, integer), pglane.lane_with(pglane.lanes, jsonb),
+        pglane.check_payload(jsonb, integer, text);
     DROP TYPE pglane.picked;
     DROP TABLE pglane.lane_groups;
     DROP INDEX pglane.jobs_group_queue;
