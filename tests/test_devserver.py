@@ -17,13 +17,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pglane
 from pglane import schema
-from tests.conftest import ROOT
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.conftest import ROOT, free_port
 
 
 def server(*args: str) -> subprocess.CompletedProcess[str]:

@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -23,7 +22,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pglane
 from pglane import pgbin, pooler
-from tests.conftest import ROOT, Workers, slot_holder, wait_until
+from tests.conftest import ROOT, Workers, free_port, slot_holder, wait_until
 
 PGBOUNCER_MISSING = "needs Debian's pgbouncer package (apt-get install pgbouncer); not run"
 
@@ -33,12 +32,6 @@ def _pgbouncer_binary() -> str | None:
     if found:
         return found
     return "/usr/sbin/pgbouncer" if os.access("/usr/sbin/pgbouncer", os.X_OK) else None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Bouncer:
@@ -53,7 +46,7 @@ class Bouncer:
         host = str(target.get("host") or "127.0.0.1")
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "users.txt").write_text(f'"{self.user}" "{password}"\n')
-        self.port = _free_port()
+        self.port = free_port()
         options = {
             "listen_addr": "127.0.0.1", "listen_port": self.port, "unix_socket_dir": "",
             "auth_type": "trust", "auth_file": directory / "users.txt", "pool_mode": pool_mode,

@@ -200,6 +200,9 @@ def test_a_producer_lists_its_own_jobs_with_positions_counted_among_everyone_s(
 
 
 def test_jobs_json_streams_the_whole_listing_from_a_server_side_cursor(conn: Any, lane: str, dsn: str) -> None:
+    # The listings compared below can be seconds apart on a busy machine (a parallel run): no row may go
+    # from "just queued" to waiting for a worker between them.
+    pglane.set_lane(conn, lane, waiting_grace=3600)
     deep_queue(conn, lane, 2000, 10)
     done = run("jobs", "--lane", lane, "--json", "--limit", "0", dsn=dsn)
     assert done.returncode == 0, done.stderr

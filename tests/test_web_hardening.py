@@ -360,6 +360,8 @@ def test_beyond_loopback_the_page_needs_allowed_hosts_and_says_what_protects_it(
     assert run.returncode == 2 and server.ALLOWED_HOSTS_ENV in run.stderr, run.stderr
     web = WebServer(operator_dsn, tmp_path / "web.log", "--host", "0.0.0.0", "--allowed-host", "pglane.example")
     try:
+        # The line that says what protects it comes just after the one WebServer waits for.
+        wait_until(lambda: "Host check" in web.log(), 30, "pglane web to say what protects it")
         assert "Host check" in web.log() and "pglane.example" in web.log() and "read-only" in web.log()
         with httpx.Client(base_url=f"http://127.0.0.1:{web.port}", timeout=30) as c:
             assert c.get("/", headers={"Host": f"pglane.example:{web.port}"}).status_code == 200

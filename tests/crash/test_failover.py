@@ -26,9 +26,9 @@ import pytest
 
 import pglane
 from pglane.errors import PglaneError
-from tests.conftest import Ledger, Workers, slot_holder, wait_until
+from tests.conftest import Ledger, Workers, free_port, slot_holder, wait_until
 from tests.crash.conftest import check_invariants, drained
-from tests.replica import Node, Pair, free_port, make_template, synchronous_pair
+from tests.replica import Node, Pair, make_template, synchronous_pair
 
 LANE = "failover"
 JOBS = 100  # enqueued before the workers start; the producer adds more through the failover
