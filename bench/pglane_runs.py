@@ -43,10 +43,11 @@ def insert_params(lane: str, payload: str) -> tuple[str, str]:
     return (lane, payload)
 
 
-def enqueue_params(lane: str, payload: str) -> tuple[str, str, None, None, str, int]:
+def enqueue_params(lane: str, payload: str) -> tuple[str, str, None, None, str, int, None, int]:
     """queries.ENQUEUE's parameters for one job: no idempotency key, no run_after, an error if the
-    lane is full, cost 1 (the order of pglane.enqueue's arguments, as pglane.statements sends them)."""
-    return (lane, payload, None, None, "error", 1)
+    lane is full, cost 1, no group, priority 0 (the order of pglane.enqueue's arguments, as
+    pglane.statements sends them)."""
+    return (lane, payload, None, None, "error", 1, None, 0)
 
 
 def lane_id(conn: psycopg.Connection[Any], name: str) -> int:

@@ -174,7 +174,7 @@ CONSTRAINT_HINTS: dict[str, str] = {
     "lane_rate_valid": "a rate is 1 to 1,000,000 starts per period of 1 second to 1 day, e.g. 10/s or 60/min",
     "job_cost_positive": "a job's cost is a whole number of at least 1",
     "lane_group_slots_range": "--group-slots must be between 1 and 1000, or none for no limit per group",
-    "job_group_key_length": "a job's group is at most 255 characters; use a shorter tenant id",
+    "job_group_1_to_255_characters": "a job's group is at most 255 characters; use a shorter tenant id",
     "job_status_valid": "job status must be one of queued, running, done, failed, cancelled",
     "attempt_status_valid": "attempt status must be one of running, done, failed, lost, timed_out",
 }
