@@ -52,7 +52,11 @@ def _dsn(data_dir: Path) -> str:
 
 
 def _port_free(port: int) -> bool:
+    """Whether PostgreSQL could listen on the port. It binds with SO_REUSEADDR, and so does the probe: a
+    server just stopped leaves its closed connections in TIME_WAIT on the port for a minute, which a
+    bind without it takes for a listener (a stop then start refused its own port)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((HOST, port))
         except OSError:

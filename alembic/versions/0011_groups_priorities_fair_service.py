@@ -39,7 +39,8 @@ BEFORE = """
     -- A domain, not a table CHECK, as pglane.job_cost (0008): a table CHECK is evaluated again on every
     -- UPDATE of a job (the claim's and the completion's: some 75,000 instructions a job, measured by
     -- bench.lab.claim_revisions), a domain's only where a group is written.
-    CREATE DOMAIN pglane.job_group AS text CONSTRAINT job_group_1_to_255_characters CHECK (length(VALUE) BETWEEN 1 AND 255);
+    CREATE DOMAIN pglane.job_group AS text
+        CONSTRAINT job_group_1_to_255_characters CHECK (length(VALUE) BETWEEN 1 AND 255);
     ALTER TABLE pglane.jobs ADD COLUMN group_key pglane.job_group, ADD COLUMN priority integer NOT NULL DEFAULT 0,
         ADD COLUMN fair_rank bigint NOT NULL DEFAULT 0;
     COMMENT ON COLUMN pglane.jobs.group_key IS
