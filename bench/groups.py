@@ -597,7 +597,7 @@ def _machine(m: dict[str, Any]) -> str:
 
 def report(found: dict[str, Any]) -> str:
     lines = [f"{found['postgres']}; {found['settings']['queued']:,} queued per lane over "
-             f"{found['settings']['groups']:,} groups; {found['mode']} mode"]
+             f"{found['settings']['groups']:,} groups; {found['mode']} mode; {found['date']}; code {found['code']}"]
     if "claim" in found:
         c = found["claim"]
         for phase in ("idle", "busy"):
@@ -672,6 +672,17 @@ def report(found: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _code() -> str:
+    """The commit measured, and whether pglane's SQL or Python differed from it (another's edits)."""
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+        return done.stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "?"
+    dirty = git("status", "--porcelain", "--", "sql", "pglane", "alembic")
+    return commit + (" with uncommitted changes to sql/pglane/alembic" if dirty else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench --only groups", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
@@ -714,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
                      "rounds": rounds, "drain_jobs": drain_jobs, "workers": args.workers,
                      "ledger_groups": args.ledger_groups, "ledger_jobs": ledger_jobs_n, "sleep": args.sleep,
                      "enqueue_jobs": enqueue_jobs, "bulk": bulk},
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "cpus": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "cpus": os.cpu_count(), "code": _code(),
     }
     started = time.monotonic()
     if "instructions" in only:  # a cluster of its own, counted while stopped: before the timed parts
