@@ -84,7 +84,8 @@ class Cluster:
         with embedded_server(self.data, fsync=True) as server:
             yield server.dsn
 
-    def drain_instructions(self, db: str, lane: str, jobs: int, warm: int = 20, setup: str = "") -> int:
+    def drain_instructions(self, db: str, lane: str, jobs: int, warm: int = 20, setup: str = "",
+                           between: str = "") -> int:
         """Instructions of one warm ``callgrind_drain(lane, jobs)`` in database ``db`` (a first call of
         ``warm`` jobs, not counted, warms the session). ``setup`` runs first, not counted either (a
         VACUUM, say). Consumes warm + jobs + 2 queued jobs of the lane."""
@@ -100,7 +101,7 @@ class Cluster:
                    "-c", "autovacuum=off", db]
         assert re.fullmatch(r"[a-z][a-z0-9_-]*", lane), lane  # a lane name, as pglane allows them
         call = "CALL public.callgrind_drain('{}', {});\n"
-        script = f"{setup}\n{call.format(lane, warm)}{call.format(lane, jobs)}"
+        script = f"{setup}\n{call.format(lane, warm)}{between}\n{call.format(lane, jobs)}"
         done = subprocess.run(command, input=script, capture_output=True, text=True, timeout=3600)
         if done.returncode != 0 or "ERROR" in done.stdout + done.stderr:
             raise RuntimeError(f"callgrind run on {db} failed (exit {done.returncode}):\n"
@@ -133,15 +134,24 @@ def cluster() -> Iterator[Cluster]:
 
 
 HISTORY = 500  # jobs each database drains (uncounted) before the counted rounds
+# The jobs a drain left running (its last claim), completed: one statement, not counted (no CALL).
+FINISH = ("SELECT pglane.complete(a.id, 'null', a.token) FROM pglane.attempts a"
+          " WHERE a.status = 'running' AND a.worker = 'callgrind';")
 
 
 def interleaved_drains(setups: Mapping[str, Callable[[str], None]], jobs: int,
-                       rounds: int) -> dict[str, list[float]]:
+                       rounds: int, groups: Mapping[str, int] | None = None, backlog: int = 0,
+                       finish: bool = False) -> dict[str, list[float]]:
     """Instructions per job of lane ``cc`` drained through complete_and_claim, one database per entry
     of ``setups`` (named by its key), ``rounds`` times, the order reversed every other round so that
     a drift in the tables' state falls on every side alike. ``setups[name](dsn)`` makes the schema
-    and creates lane cc in a fresh database; the jobs are queued here, and
-    each drain follows a VACUUM of the job tables (autovacuum does not run in a single-user backend)."""
+    and creates lane cc in a fresh database; the jobs are queued here (``backlog`` more than the
+    drains take, so that the queue stays that deep; with ``groups[name]`` = G, job i of that database
+    in group ``g<i mod G>``), and each drain follows a VACUUM of the job tables (autovacuum does not
+    run in a single-user backend). A drain ends with its last job claimed, still running; with
+    ``finish`` the jobs left so (by worker ``callgrind``) are completed, uncounted, before each counted
+    drain, so that it runs beside no running job but those the setup made (a lane with group_slots
+    counts every one)."""
     names = list(setups)
     with cluster() as found:
         with found.running() as admin:
@@ -151,9 +161,11 @@ def interleaved_drains(setups: Mapping[str, Callable[[str], None]], jobs: int,
             for name in names:
                 setups[name](with_db(admin, name))
                 with psycopg.connect(with_db(admin, name), autocommit=True) as conn:
-                    conn.execute("INSERT INTO pglane.jobs (lane, payload)"
-                                 " SELECT 'cc', '{}' FROM generate_series(1, %s)",
-                                 (HISTORY + (jobs + 40) * (rounds + 1),))
+                    count = (groups or {}).get(name)
+                    conn.execute("INSERT INTO pglane.jobs (lane, payload, group_key)"
+                                 " SELECT 'cc', '{}', CASE WHEN %s::integer IS NOT NULL THEN 'g' || (i %% %s) END"
+                                 " FROM generate_series(1, %s) i",
+                                 (count, count, HISTORY + (jobs + 40) * (rounds + 1) + backlog))
                     conn.execute(DRAIN)
                     # A history first, then the planner's statistics: analysed empty, the job tables
                     # would be planned as empty (sequential scans, cached for the session), unlike
@@ -163,7 +175,8 @@ def interleaved_drains(setups: Mapping[str, Callable[[str], None]], jobs: int,
         counts: dict[str, list[float]] = {name: [] for name in names}
         for r in range(rounds):
             for name in (names if r % 2 == 0 else names[::-1]):
-                total = found.drain_instructions(name, "cc", jobs, setup="VACUUM pglane.jobs;\nVACUUM pglane.attempts;")
+                total = found.drain_instructions(name, "cc", jobs, setup="VACUUM pglane.jobs;\nVACUUM pglane.attempts;",
+                                                 between=FINISH if finish else "")
                 counts[name].append(total / jobs)
                 progress(f"instructions round {r + 1}/{rounds}: {name} {total / jobs:,.0f}/job")
     progress_done()

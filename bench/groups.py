@@ -1,5 +1,5 @@
 """What a lane's groups cost (#32 point 7): `python -m bench --only groups [--quick] [--queued N] [--groups G]
-[--claims M] [--rounds R] [--drain-jobs D] [--only claim|throughput|ledger|enqueue ...] [--json FILE]`.
+[--claims M] [--rounds R] [--drain-jobs D] [--only claim|throughput|ledger|enqueue|instructions ...] [--json FILE]`.
 
 Three lanes on one server, each with N queued jobs (default 100,000) and 6 slots: ``limit``, the N jobs
 over G groups (default 10,000; job n in group n mod G) and ``group_slots`` 1, the costly path (the claim
@@ -36,6 +36,12 @@ counts the lane's full groups under the counters lock, full_groups, and the pick
   repetitions; the ratio per repetition, its median and interval. Every insert computes its job's
   round (fair_rank, one index probe), with a group or without. Untimed, the round's own share:
   fair_rank's and the insert trigger's time per job (pg_stat_user_functions).
+- ``instructions`` (only when named: needs valgrind, and minutes; on a cluster of its own, whatever
+  PGLANE_DSN says): the server's instructions per job of a slot draining each kind of lane (the same
+  N queued and G groups) through complete_and_claim (bench.callgrind: a single-user backend, counted,
+  not timed), idle and busy (5 jobs of other groups running beside, as in ``claim``), rounds
+  interleaved; the ratios per round, their median and interval. What groups cost the server, free
+  of the machine's noise and of the commit's flush.
 
 It starts its own embedded PostgreSQL (fsync on) unless PGLANE_DSN is set (then it makes its lanes,
 named ``grp_*``, in that database). The machine's load average and CPU busy share are recorded per
@@ -64,6 +70,7 @@ from psycopg.rows import dict_row
 import pglane
 from pglane import queries, schema
 
+from . import callgrind
 from .pglane_runs import claim_and_complete, lane_id
 from .procs import ROOT
 from .server import env_or_embedded, quiesce
@@ -84,7 +91,8 @@ SLOTS = 6
 CLAIM_BOUND = 1.3  # limit/plain claim p50, at most
 THROUGHPUT_BOUND = 0.8  # limit/plain jobs/s, at least
 LEDGER_LANES = {"limited": "grp_ledger", "control": "grp_ledger_control"}
-PARTS = ("claim", "throughput", "ledger", "enqueue")
+PARTS = ("claim", "throughput", "ledger", "enqueue", "instructions")
+DEFAULT_PARTS = PARTS[:4]  # instructions (valgrind, minutes) only when asked for
 INSERT: LiteralString = "INSERT INTO pglane.jobs (lane, payload, group_key) VALUES (%s, %s::jsonb, %s)"
 
 
@@ -529,6 +537,53 @@ def enqueue(dsn: str, conn: psycopg.Connection[Any], backlogs: dict[str, Backlog
     return out
 
 
+# ----- instructions --------------------------------------------------------------------------------
+
+def instructions(jobs: int, rounds: int, queued: int, groups: int, others: int) -> dict[str, Any]:
+    """Server instructions per job of a slot draining each kind of lane through complete_and_claim
+    (bench.callgrind: a single-user backend under callgrind, one database per kind and phase,
+    ``queued`` jobs more than the drains take, over ``groups`` groups where the kind has them), rounds
+    interleaved. Phase ``idle``: no other job running; ``busy``: ``others`` jobs running beside, each of a
+    group of its own (claimed by other sessions in the setup and never finished: on ``limit`` their
+    groups are full, which full_groups counts at every claim)."""
+    def lane(group_slots: int | None, grouped: bool, busy: int) -> Callable[[str], None]:
+        def setup(dsn: str) -> None:
+            schema.upgrade(dsn)
+            with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
+                pglane.create_lane(conn, "cc", slots=SLOTS, job_timeout=60, group_slots=group_slots)
+                for k in range(busy):
+                    conn.execute(INSERT, ("cc", "{}", f"busy{k}" if grouped else None))
+                sessions = [psycopg.connect(dsn, autocommit=True, row_factory=dict_row) for _ in range(busy)]
+                try:
+                    for k, other in enumerate(sessions):
+                        other.execute(queries.WAIT_SLOT, (lane_id(other, "cc"), k + 2))
+                        row = other.execute(queries.CLAIM, ("cc", f"other{k}")).fetchone()
+                        assert row is not None and row["job_id"] is not None
+                finally:
+                    for other in sessions:
+                        other.close()  # their jobs stay running: nothing recovers them here
+        return setup
+
+    kinds = {"limit": (1, True), "fair": (None, True), "plain": (None, False)}
+    setups = {f"groups_{case}_{phase}": lane(gs, grouped, others if phase == "busy" else 0)
+              for phase in ("idle", "busy") for case, (gs, grouped) in kinds.items()}
+    counts = callgrind.interleaved_drains(setups, jobs, rounds, groups={name: groups for name in setups
+                                                                        if "plain" not in name},
+                                          backlog=queued, finish=True)
+    out: dict[str, Any] = {"jobs_per_round": jobs, "rounds": rounds, "queued": queued, "groups": groups,
+                           "others_running_when_busy": others}
+    for phase in ("idle", "busy"):
+        found: dict[str, Any] = {}
+        for case in kinds:
+            values = counts[f"groups_{case}_{phase}"]
+            found[case] = {"median": statistics.median(values), "runs": values}
+        for a, b in (("limit", "plain"), ("fair", "plain"), ("limit", "fair")):
+            ratios = [x / y for x, y in zip(counts[f"groups_{a}_{phase}"], counts[f"groups_{b}_{phase}"], strict=True)]
+            found[f"{a}/{b}"] = {"ratio": statistics.median(ratios), "interval_90": list(median_interval(ratios))}
+        out[phase] = found
+    return out
+
+
 # ----- the report ----------------------------------------------------------------------------------
 
 def _iv(v: Sequence[float]) -> str:
@@ -542,7 +597,7 @@ def _machine(m: dict[str, Any]) -> str:
 
 def report(found: dict[str, Any]) -> str:
     lines = [f"{found['postgres']}; {found['settings']['queued']:,} queued per lane over "
-             f"{found['settings']['groups']:,} groups; {found['mode']} mode"]
+             f"{found['settings']['groups']:,} groups; {found['mode']} mode; {found['date']}; code {found['code']}"]
     if "claim" in found:
         c = found["claim"]
         for phase in ("idle", "busy"):
@@ -582,6 +637,18 @@ def report(found: dict[str, Any]) -> str:
                          f" most at once of one group {x['most_at_once_per_group']} ({x['busiest_group']}),"
                          f" of all {x['most_at_once']}")
         lines.append(f"  most at once per group on the limited lane = 1: {led['verdict']}")
+    if "instructions" in found:
+        ic = found["instructions"]
+        if "skipped" in ic:
+            lines.append(f"instructions: skipped ({ic['skipped']})")
+        else:
+            lines.append(f"server instructions per claim and completion (callgrind, {ic['rounds']} x"
+                         f" {ic['jobs_per_round']} jobs, {ic['queued']:,} queued):")
+            for phase in ("idle", "busy"):
+                f = ic[phase]
+                lines.append(f"  {phase:<4} " + ", ".join(f"{case} {f[case]['median']:,.0f}" for case in LANES)
+                             + "; " + ", ".join(f"{pair} {f[pair]['ratio']:.3f} {_iv(f[pair]['interval_90'])}"
+                                               for pair in ("limit/plain", "fair/plain", "limit/fair")))
     if "enqueue" in found:
         e = found["enqueue"]
         lines.append(f"enqueue, one commit per job, {e['jobs_per_variant']} of each kind interleaved"
@@ -605,6 +672,17 @@ def report(found: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _code() -> str:
+    """The commit measured, and whether pglane's SQL or Python differed from it (another's edits)."""
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+        return done.stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "?"
+    dirty = git("status", "--porcelain", "--", "sql", "pglane", "alembic")
+    return commit + (" with uncommitted changes to sql/pglane/alembic" if dirty else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench --only groups", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
@@ -622,7 +700,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sleep", type=float, default=0.02, help="ledger: each call's sleep (default 0.02 s)")
     parser.add_argument("--enqueue-jobs", type=int, help="single-row enqueues of each kind (default 2000; quick 500)")
     parser.add_argument("--bulk", type=int, help="jobs of the bulk INSERT ... SELECT (default 100000; quick 20000)")
-    parser.add_argument("--only", nargs="*", choices=PARTS, help="some of the parts (default: all)")
+    parser.add_argument("--ic-jobs", type=int, default=300, help="instructions: jobs per counted drain (default 300)")
+    parser.add_argument("--ic-rounds", type=int, default=4, help="instructions: counted drains of each lane"
+                        " (default 4)")
+    parser.add_argument("--only", nargs="*", choices=PARTS,
+                        help="some of the parts (default: all but instructions, which needs valgrind and minutes)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
     q = args.quick
@@ -632,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
     ledger_jobs_n = args.ledger_jobs or (150 if q else 300)
     enqueue_jobs = args.enqueue_jobs or (500 if q else 2000)
     bulk = args.bulk or (20_000 if q else 100_000)
-    only = [name for name in PARTS if name in (args.only or PARTS)]
+    only = [name for name in PARTS if name in (args.only or DEFAULT_PARTS)]
     if args.ledger_groups < 2 or args.workers < 2:
         parser.error("the ledger needs at least 2 groups and 2 workers")
     sized = [args.claims, args.rounds, args.drain_jobs, args.ledger_jobs, args.enqueue_jobs, args.bulk]
@@ -643,9 +725,13 @@ def main(argv: list[str] | None = None) -> int:
                      "rounds": rounds, "drain_jobs": drain_jobs, "workers": args.workers,
                      "ledger_groups": args.ledger_groups, "ledger_jobs": ledger_jobs_n, "sleep": args.sleep,
                      "enqueue_jobs": enqueue_jobs, "bulk": bulk},
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "cpus": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "cpus": os.cpu_count(), "code": _code(),
     }
     started = time.monotonic()
+    if "instructions" in only:  # a cluster of its own, counted while stopped: before the timed parts
+        missing = callgrind.available()
+        found["instructions"] = ({"skipped": missing} if missing else
+                                 instructions(args.ic_jobs, args.ic_rounds, args.queued, args.groups, args.others))
     with env_or_embedded() as dsn, machine(found.setdefault("machine", {})):
         schema.upgrade(dsn)
         with pglane.connect(dsn) as conn:
