@@ -66,18 +66,44 @@ $$;
 -- room left, which the pick then passes over (`shared`: the jobs with no group are full). Takes the
 -- counters row lock first, so that what it counts stays true until the claim commits; the statement
 -- after the lock sees every start committed before it (READ COMMITTED: a new snapshot per statement).
+-- What counts is as in strict.sql's in_flight: running attempts, and on a strict lane (takeover
+-- after_lease) lost ones whose lease runs on. Read so that the cost follows the calls in flight, not
+-- the history (docs/design.md#groups-priorities-and-fair-service, bench/README.md "Groups"):
+-- - attempts_running by a plain index(-only) scan, never a bitmap: a bitmap scan does not mark the
+--   entries of finished attempts dead, and nothing else on the claim's path scans that index, so each
+--   claim would read every attempt finished since the last vacuum; a plain scan marks them as it goes;
+-- - the jobs by their key alone, one probe per call in flight (= ANY, and OFFSET 0 so that the lane's
+--   test is not pushed into it): a join may be planned as a merge that reads jobs_pkey from the lane's
+--   oldest job, and with the lane's test beside it the generic plan may walk the lane's every job by
+--   jobs_lane_idempotency_key_key;
+-- - with fewer calls in flight than group_slots no group can be full: nothing more is read;
+-- - the plan is the generic one: with the array as a parameter the planner would otherwise build a
+--   custom plan at every claim (some 700,000 instructions).
 CREATE OR REPLACE FUNCTION pglane.full_groups(p_lane pglane.lanes, OUT groups text[], OUT shared boolean)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+SET enable_seqscan = off SET enable_bitmapscan = off SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_jobs bigint[];  -- the jobs whose calls count, in every lane (attempts carry no lane)
 BEGIN
+    groups := '{}';
+    shared := false;
     PERFORM 1 FROM pglane.lane_counters c WHERE c.lane_id = p_lane.id FOR UPDATE;
+    v_jobs := ARRAY(SELECT a.job_id FROM pglane.attempts a WHERE a.status = 'running');
+    IF p_lane.takeover = 'after_lease' THEN
+        v_jobs := v_jobs || ARRAY(SELECT a.job_id FROM pglane.attempts a
+                                   WHERE a.status = 'lost' AND a.lease_released_at IS NULL
+                                     AND a.lease_expires_at > now());
+    END IF;
+    IF cardinality(v_jobs) < p_lane.group_slots THEN
+        RETURN;
+    END IF;
     SELECT coalesce(array_agg(f.group_key) FILTER (WHERE f.group_key IS NOT NULL), '{}'),
            coalesce(bool_or(f.group_key IS NULL), false)
       INTO groups, shared
-      FROM (SELECT j.group_key FROM pglane.attempts a JOIN pglane.jobs j ON j.id = a.job_id
+      FROM (SELECT j.group_key FROM (SELECT j.lane, j.group_key FROM pglane.jobs j WHERE j.id = ANY (v_jobs)
+                                      OFFSET 0) j  -- by key alone: the lane is tested after (see above)
              WHERE j.lane = p_lane.name
-               AND (a.status = 'running'
-                    OR (p_lane.takeover = 'after_lease' AND a.status = 'lost' AND a.lease_released_at IS NULL
-                        AND a.lease_expires_at > now()))
              GROUP BY j.group_key HAVING count(*) >= p_lane.group_slots) f;
 END $$;
 

@@ -352,3 +352,28 @@ def test_lane_set_group_slots_on_a_running_lane_holds_from_the_next_start(
         start, end = spans[attempt]
         overlapping = [a for a, (s, e) in spans.items() if a != attempt and s < end and start < e]
         assert overlapping == [], f"attempt {attempt} ran beside {overlapping} after --group-slots 1"
+
+
+def test_the_group_limit_reads_the_calls_in_flight_not_the_attempts_finished_before(
+        conn: Any, session: Any) -> None:
+    # 300 finished attempts leave dead entries in attempts_running until a vacuum (300 is far below
+    # autovacuum's threshold). The limit's count must read past them once and mark them, not at every
+    # claim (a bitmap scan marks nothing), and must not reach them through the lane's jobs either
+    # (bench/README.md "Groups").
+    pglane.create_lane(conn, "tenants", slots=2, job_timeout=60, group_slots=1)
+    conn.execute("INSERT INTO pglane.jobs (lane, payload, group_key)"
+                 " SELECT 'tenants', '{}', 'g' || (i % 7) FROM generate_series(1, 302) i")
+    s1, s2 = _slots(session, "tenants", 2)
+    for _ in range(300):
+        _done(s1, claimed(s1, "tenants"))
+    held = claimed(s2, "tenants")  # one call in flight: its group is full
+    reads = ("SELECT c.relname, pg_stat_get_xact_tuples_returned(c.oid) AS n FROM pg_class c"  # rows scanned,
+             " WHERE c.relnamespace = 'pglane'::regnamespace AND c.relkind IN ('r', 'i')")  # index entries read
+    full = "SELECT (pglane.full_groups(l)).* FROM pglane.lanes l WHERE l.name = 'tenants'"
+    with s1.transaction():
+        before = {r["relname"]: r["n"] for r in s1.execute(reads)}
+        answers = [s1.execute(full).fetchone() for _ in range(10)]
+        after = {r["relname"]: r["n"] for r in s1.execute(reads)}
+    assert answers == [{"groups": [_group_of(conn, held["job_id"])], "shared": False}] * 10
+    read = {name: after[name] - before[name] for name in after if after[name] > before[name]}
+    assert sum(read.values()) <= 300 + 10 * 10, f"10 counts of the calls in flight read {read}"
