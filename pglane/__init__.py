@@ -15,10 +15,12 @@ from .client import (
     job_status,
     jobs,
     lane_status,
+    pause_lane,
     prune,
     recover,
     release_lease,
     result,
+    resume_lane,
     retry,
     set_lane,
     wait,
@@ -51,6 +53,7 @@ from .errors import (
     WaitTimeout,
 )
 from .job import Job
+from .retry_later import RetryLater
 from .schema import downgrade, upgrade
 from .worker import Worker, WorkerOptions
 
@@ -76,6 +79,7 @@ __all__ = [
     "PermissionDenied",
     "PglaneError",
     "PoolerDetected",
+    "RetryLater",
     "SchemaError",
     "SlotLost",
     "UnknownJob",
@@ -93,10 +97,12 @@ __all__ = [
     "job_status",
     "jobs",
     "lane_status",
+    "pause_lane",
     "prune",
     "recover",
     "release_lease",
     "result",
+    "resume_lane",
     "retry",
     "set_lane",
     "upgrade",

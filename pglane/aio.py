@@ -92,13 +92,17 @@ async def create_lane(
     rate: str | None = None,
     key_retention: float = statements.DEFAULT_KEY_RETENTION,
     group_slots: int | None = None,
+    max_deferrals: int = 20,
+    on_retry_later: str = "lane",
+    pause_after_failures: int | None = None,
 ) -> int:
     """See pglane.create_lane."""
     return await run(conn, statements.create_lane(
         name, slots=slots, job_timeout=job_timeout, lease_timeout=lease_timeout, max_attempts=max_attempts,
         max_queued=max_queued, waiting_grace=waiting_grace, max_payload_bytes=max_payload_bytes,
         retry_backoff=retry_backoff, max_result_bytes=max_result_bytes, takeover=takeover, rate=rate,
-        key_retention=key_retention, group_slots=group_slots))
+        key_retention=key_retention, group_slots=group_slots, max_deferrals=max_deferrals,
+        on_retry_later=on_retry_later, pause_after_failures=pause_after_failures))
 
 
 async def set_lane(conn: AsyncTarget, name: str, **settings: Any) -> str:
@@ -110,6 +114,18 @@ async def set_lane(conn: AsyncTarget, name: str, **settings: Any) -> str:
     return await run(conn, statements.set_lane(name, settings))
 
 
+async def pause_lane(conn: AsyncTarget, name: str, *, for_seconds: float | None = None, until: datetime | None = None,
+               reason: str | None = None) -> str:
+    """Pause a lane (pglane lane pause): it accepts jobs and starts none, for ``for_seconds``, until
+    ``until``, or (neither) until resumed; calls in flight finish. Returns what it did."""
+    return await run(conn, statements.pause_lane(name, for_seconds=for_seconds, until=until, reason=reason))
+
+
+async def resume_lane(conn: AsyncTarget, name: str) -> str:
+    """End a lane's pause now, whatever paused it (pglane lane resume); its workers wake at once."""
+    return await run(conn, statements.resume_lane(name))
+
+
 async def lanes(conn: AsyncTarget) -> list[Row]:
     return await run(conn, statements.lanes())
 
@@ -117,11 +133,11 @@ async def lanes(conn: AsyncTarget) -> list[Row]:
 @overload
 async def enqueue(conn: AsyncTarget, lane: str, payload: Any = ..., *, key: str | None = ...,
                   run_after: datetime | None = ..., if_full: Literal["error"] = ..., cost: int = ...,
-            group: str | None = ..., priority: int = ...) -> int: ...
+            group: str | None = ..., priority: int = ..., job_timeout: float | None = ...) -> int: ...
 @overload
 async def enqueue(conn: AsyncTarget, lane: str, payload: Any = ..., *, key: str | None = ...,
                   run_after: datetime | None = ..., if_full: Literal["skip"], cost: int = ...,
-            group: str | None = ..., priority: int = ...) -> int | None: ...
+            group: str | None = ..., priority: int = ..., job_timeout: float | None = ...) -> int | None: ...
 async def enqueue(
     conn: AsyncTarget,
     lane: str,
@@ -133,10 +149,12 @@ async def enqueue(
     cost: int = 1,
     group: str | None = None,
     priority: int = 0,
+    job_timeout: float | None = None,
 ) -> int | None:
     """See pglane.enqueue."""
     return await run(conn, statements.enqueue(lane, payload, key=key, run_after=run_after, if_full=if_full,
-                                                 cost=cost, group=group, priority=priority))
+                                                 cost=cost, group=group, priority=priority,
+                                                 job_timeout=job_timeout))
 
 
 async def lane_status(conn: AsyncTarget) -> list[Row]:

@@ -112,12 +112,15 @@ class Caller:
         # call ends (or the process does, EXIT_HUNG) before the lease ends on the server, whatever the
         # network did meanwhile (R2: worker timeout < lease).
         started = claim.sent_at
+        # The job's own timeout, if it has one, is never above the lane's (checked at enqueue; and a
+        # lane's lowered since wins): the hard timeout and the lease stay the lane's (R1-R3).
+        job_timeout = min(self.job_timeout, claim.job_timeout or self.job_timeout)
         self.watchdog.arm(claim, started + self.hard_timeout)
         future, cancel = self.runner.start(job)  # an async handler that never suspends is done already
         if future.done():
             outcome: Outcome | None = outcome_of(future)
         else:
-            outcome = await self._call_slow(session, job, future, cancel, started)
+            outcome = await self._call_slow(session, job, future, cancel, started, job_timeout)
         self.watchdog.disarm()
         if outcome is None:
             self._recycle(session, claim)
@@ -128,17 +131,17 @@ class Caller:
             outcome = Outcome(error=f"the handler's result of {len(outcome.result_json)} bytes exceeds the lane's "
                                     f"max_result_bytes of {self.max_result_bytes}; it was not stored (the call itself "
                                     "completed): store large outputs elsewhere and return a reference")
-        return outcome if outcome.error is None else _logged(job, outcome)
+        return outcome if outcome.error is None or outcome.retry_after is not None else _logged(job, outcome)
 
     async def _call_slow(self, session: LockSession, job: Job, future: asyncio.Future[Any],
-                         cancel: Callable[[], object], started: float) -> Outcome | None:
+                         cancel: Callable[[], object], started: float, job_timeout: float) -> Outcome | None:
         """A call that did not finish at once: past QUICK_CALL, watch the slot session until the job
         deadline, then settle the call under both timeouts (None: it outlived the hard one)."""
         lost = False
         done, _ = await asyncio.wait((future,), timeout=QUICK_CALL)
         if not done:
             watcher = asyncio.ensure_future(session.watch())
-            await asyncio.wait((future, watcher), timeout=max(0.0, started + self.job_timeout - time.monotonic()),
+            await asyncio.wait((future, watcher), timeout=max(0.0, started + job_timeout - time.monotonic()),
                                return_when=asyncio.FIRST_COMPLETED)
             watcher.cancel()
             (ended,) = await asyncio.gather(watcher, return_exceptions=True)
@@ -147,8 +150,7 @@ class Caller:
                 log.error("the slot session died during attempt %s (%s): no new claim until a slot is taken "
                           "again; the call goes on and its result will be delivered", job.attempt_id,
                           first_line(ended))
-        outcome = await settle(future, cancel, self.job_timeout, started + self.job_timeout,
-                               started + self.hard_timeout)
+        outcome = await settle(future, cancel, job_timeout, started + job_timeout, started + self.hard_timeout)
         self.watchdog.disarm()  # the handler is done: what follows may block on the session, not on it
         if lost:
             session.release()  # nothing more runs on it: the outcome's write fails and is kept pending

@@ -139,6 +139,9 @@ def create_lane(
     rate: str | None = None,
     key_retention: float = statements.DEFAULT_KEY_RETENTION,
     group_slots: int | None = None,
+    max_deferrals: int = 20,
+    on_retry_later: str = "lane",
+    pause_after_failures: int | None = None,
 ) -> int:
     """Create a lane and return its id. With no lease_timeout, it is 10 % longer than job_timeout.
     ``key_retention``: seconds a pruned job's idempotency key is remembered (30 days). ``group_slots``:
@@ -147,7 +150,8 @@ def create_lane(
         name, slots=slots, job_timeout=job_timeout, lease_timeout=lease_timeout, max_attempts=max_attempts,
         max_queued=max_queued, waiting_grace=waiting_grace, max_payload_bytes=max_payload_bytes,
         retry_backoff=retry_backoff, max_result_bytes=max_result_bytes, takeover=takeover, rate=rate,
-        key_retention=key_retention, group_slots=group_slots))
+        key_retention=key_retention, group_slots=group_slots, max_deferrals=max_deferrals,
+        on_retry_later=on_retry_later, pause_after_failures=pause_after_failures))
 
 
 def set_lane(conn: Target, name: str, **settings: Any) -> str:
@@ -159,6 +163,18 @@ def set_lane(conn: Target, name: str, **settings: Any) -> str:
     return run(conn, statements.set_lane(name, settings))
 
 
+def pause_lane(conn: Target, name: str, *, for_seconds: float | None = None, until: datetime | None = None,
+               reason: str | None = None) -> str:
+    """Pause a lane (pglane lane pause): it accepts jobs and starts none, for ``for_seconds``, until
+    ``until``, or (neither) until resumed; calls in flight finish. Returns what it did."""
+    return run(conn, statements.pause_lane(name, for_seconds=for_seconds, until=until, reason=reason))
+
+
+def resume_lane(conn: Target, name: str) -> str:
+    """End a lane's pause now, whatever paused it (pglane lane resume); its workers wake at once."""
+    return run(conn, statements.resume_lane(name))
+
+
 def lanes(conn: Target) -> list[Row]:
     return run(conn, statements.lanes())
 
@@ -166,11 +182,11 @@ def lanes(conn: Target) -> list[Row]:
 @overload
 def enqueue(conn: Target, lane: str, payload: Any = ..., *, key: str | None = ...,
             run_after: datetime | None = ..., if_full: Literal["error"] = ..., cost: int = ...,
-            group: str | None = ..., priority: int = ...) -> int: ...
+            group: str | None = ..., priority: int = ..., job_timeout: float | None = ...) -> int: ...
 @overload
 def enqueue(conn: Target, lane: str, payload: Any = ..., *, key: str | None = ...,
             run_after: datetime | None = ..., if_full: Literal["skip"], cost: int = ...,
-            group: str | None = ..., priority: int = ...) -> int | None: ...
+            group: str | None = ..., priority: int = ..., job_timeout: float | None = ...) -> int | None: ...
 def enqueue(
     conn: Target,
     lane: str,
@@ -182,6 +198,7 @@ def enqueue(
     cost: int = 1,
     group: str | None = None,
     priority: int = 0,
+    job_timeout: float | None = None,
 ) -> int | None:
     """Add a job and return its id; the same key returns the existing job (see pglane.enqueue). A
     payload is a JSON object or array; given none, it is ``{}``; ``None`` is refused like any scalar.
@@ -190,9 +207,11 @@ def enqueue(
     is what the job's start counts against its lane's rate limit; more than the rate allows is refused.
     ``group`` (at most 255 characters) is the tenant the job belongs to: its lane's ``group_slots``
     limits how many of a group run at once, and groups are served in turn. ``priority``: a higher one
-    starts first (default 0)."""
+    starts first (default 0). ``job_timeout``: the job's own call timeout in seconds, at most its lane's
+    (refused above it, nothing written)."""
     return run(conn, statements.enqueue(lane, payload, key=key, run_after=run_after, if_full=if_full,
-                                                 cost=cost, group=group, priority=priority))
+                                                 cost=cost, group=group, priority=priority,
+                                                 job_timeout=job_timeout))
 
 
 def lane_status(conn: Target) -> list[Row]:

@@ -25,6 +25,7 @@ from typing import Any
 
 from .errors import ConfigurationError
 from .job import Job
+from .retry_later import RetryLater
 
 Handler = Callable[[Job], Any]
 
@@ -73,12 +74,14 @@ def bounded_error(text: str) -> str:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What became of one call: ``result_json`` when it succeeded, else ``error`` (and ``timed_out``).
+    """What became of one call: ``result_json`` when it succeeded, else ``error`` (and ``timed_out``),
+    or, when the handler raised RetryLater, ``retry_after`` (seconds) with the reason in ``error``.
     ``error`` never holds a NUL character, which PostgreSQL text cannot store, and is bounded in size."""
 
     result_json: str | None = None
     error: str | None = None
     timed_out: bool = False
+    retry_after: float | None = None  # deferred: nothing was paid, run it again this many seconds later
 
     def __post_init__(self) -> None:
         if self.error is not None:
@@ -183,6 +186,8 @@ def outcome_of(future: asyncio.Future[Any]) -> Outcome:
     if future.cancelled():
         return Outcome(error="the handler was cancelled")
     exc = future.exception()
+    if isinstance(exc, RetryLater):
+        return Outcome(error=exc.reason, retry_after=exc.after)
     if exc is not None:
         return Outcome(error=_describe(exc))
     return encode(future.result())
@@ -201,4 +206,4 @@ async def settle(future: asyncio.Future[Any], cancel: Callable[[], object], job_
     await asyncio.wait((future,), timeout=max(0.0, hard_deadline - time.monotonic()))
     if not future.done():
         return None
-    return Outcome(error=f"timed out: the handler ran past the lane's job_timeout of {job_timeout:g}s", timed_out=True)
+    return Outcome(error=f"timed out: the handler ran past its job_timeout of {job_timeout:g}s", timed_out=True)

@@ -8,8 +8,9 @@ Job states (pglane.jobs.status, CHECK job_status_valid):
        '--retry (a person)-- failed, cancelled <--cancel (a person)-- queued
 
 Attempt states (pglane.attempts.status, CHECK attempt_status_valid): running, then exactly one of
-done, failed, timed_out, or lost (recovery found its session gone). A lost attempt may still turn
-done when its late result arrives and no newer attempt exists.
+done, failed, timed_out, deferred (the handler raised RetryLater: nothing paid, the job queued again
+for later), or lost (recovery found its session gone). A lost attempt may still turn done when its
+late result arrives and no newer attempt exists.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class Claim:
     token: str
     sent_at: float  # time.monotonic() when the claiming statement was sent: the call's deadlines count from it
     undecodable: str | None = None
+    job_timeout: float | None = None  # the call's timeout the claim named (the job's own, at most the lane's)
 
     @classmethod
     def from_row(cls, row: dict[str, Any] | None, sent_at: float) -> Claim | None:
@@ -64,4 +66,4 @@ class Claim:
             payload, undecodable = None, f"{type(exc).__name__}: {str(exc)[:200]}"
         job = Job(id=row["job_id"], lane=row["lane"], payload=payload, attempt_id=row["attempt_id"],
                   attempt_number=row["attempt_number"], seq=row["seq"], idempotency_key=row["idempotency_key"])
-        return cls(job, row["token"], sent_at, undecodable)
+        return cls(job, row["token"], sent_at, undecodable, row.get("job_timeout"))

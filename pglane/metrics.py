@@ -44,6 +44,8 @@ class Metrics:
                                  registry=self.registry).labels(lane)
         self.failed = prom.Counter("pglane_jobs_failed", "attempts this worker recorded failed or timed out", labels,
                                    registry=self.registry).labels(lane)
+        self.deferred = prom.Counter("pglane_jobs_deferred", "attempts this worker recorded deferred (the handler "
+                                     "raised RetryLater: nothing paid)", labels, registry=self.registry).labels(lane)
         self.duration = prom.Histogram(
             "pglane_attempt_duration_seconds", "handler time per attempt", labels, registry=self.registry,
             buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600, 1800)).labels(lane)

@@ -48,6 +48,9 @@ class Unstored:
         if outcome.result_json is not None:
             statement = sql.SQL("SELECT pglane.complete({}, {}::jsonb, {}::uuid)").format(
                 attempt, outcome.result_json, token)
+        elif outcome.retry_after is not None:
+            statement = sql.SQL("SELECT pglane.defer({}, make_interval(secs => {}), {}, {}::uuid)").format(
+                attempt, outcome.retry_after, outcome.error or "", token)
         else:
             statement = sql.SQL("SELECT pglane.fail({}, {}, {}, {}::uuid)").format(
                 attempt, outcome.error or "", outcome.timed_out, token)
@@ -82,6 +85,10 @@ class Outbox:
             else:
                 self.stored(bool((row or {}).get("complete")))
                 return
+        if outcome.retry_after is not None:
+            row = session.execute(queries.DEFER, (attempt, outcome.retry_after, outcome.error, token))
+            self.stored(bool((row or {}).get("defer")))
+            return
         row = session.execute(queries.FAIL, (attempt, outcome.error, outcome.timed_out, token))
         self.stored(bool((row or {}).get("fail")))
 
@@ -98,9 +105,13 @@ class Outbox:
                         "finished elsewhere; nothing was overwritten", job.attempt_id, job.id)
             return
         ok = outcome.result_json is not None
+        deferred = outcome.retry_after is not None
         if self._metrics is not None:
-            (self._metrics.done if ok else self._metrics.failed).inc()
-        if log.isEnabledFor(logging.INFO):
+            (self._metrics.done if ok else self._metrics.deferred if deferred else self._metrics.failed).inc()
+        if deferred:
+            log.info("lane %s job %s attempt %s (#%s) deferred for %gs, nothing paid: %s", job.lane, job.id,
+                     job.attempt_id, job.attempt_number, outcome.retry_after, outcome.error or "no reason given")
+        elif log.isEnabledFor(logging.INFO):
             log.info("lane %s job %s attempt %s (#%s) %s in %.3fs", job.lane, job.id, job.attempt_id,
                      job.attempt_number, "done" if ok else "timed_out" if outcome.timed_out else "failed",
                      time.monotonic() - claim.sent_at)

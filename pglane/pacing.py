@@ -2,7 +2,8 @@
 
 The claim answers every time (pglane.claim_or_wait, docs/design.md#admission): a job, or none; and,
 when a lane policy holds this slot back, ``wait_seconds`` and ``wait_reason`` — ``'lease'`` (a strict
-lane waits for a lost attempt's lease) or ``'rate'`` (the rate limit's turn of this slot). A worker
+lane waits for a lost attempt's lease), ``'rate'`` (the rate limit's turn of this slot) or ``'paused'``
+(the lane is paused until then, or with no wait_seconds until a person resumes it). A worker
 keeps the latest answer as one ``Pacing`` value and reads every decision from it; nothing else in the
 worker remembers when it last claimed or what it was told.
 
@@ -11,6 +12,8 @@ Invariants:
   session may send a NOTIFY: a flood of them costs that many claims, no more);
 - a rate limit's turn is not moved by a new job (only the lane's news, e.g. a higher rate, can): a slot
   told its rate turn sleeps through job wake-ups, and stores an outcome without claiming before it;
+- nor is a pause's end: a paused slot sleeps through job wake-ups until the pause ends or the lane's
+  news (a resume) comes, so a paused lane costs no claim per enqueue;
 - a lease's end is only a bound: a new job may be claimable sooner on another policy's word, so job
   wake-ups still end that wait.
 """
@@ -38,10 +41,10 @@ class Pacing:
     @classmethod
     def from_row(cls, row: dict[str, Any] | None, found_job: bool, now: float) -> Pacing:
         """The pacing a claiming statement's row says (a row of pglane.claimed, or none)."""
-        wait = (row or {}).get("wait_seconds")
-        if wait is None:
-            return cls(now, found_job)
-        return cls(now, found_job, now + wait, (row or {}).get("wait_reason"))
+        wait, reason = (row or {}).get("wait_seconds"), (row or {}).get("wait_reason")
+        if wait is None:  # paused until resumed: no bound but the poll interval; else nothing said
+            return cls(now, found_job, float("inf"), reason) if reason == "paused" else cls(now, found_job)
+        return cls(now, found_job, now + wait, reason)
 
     def next_claim_at(self) -> float:
         """The earliest a claim after this one is worth sending, whatever wakes the slot."""
@@ -49,12 +52,13 @@ class Pacing:
 
     def wait_bound(self, now: float) -> float | None:
         """How long an idle slot waits at most before asking again, on this answer's word (None: no bound)."""
-        return None if self.allowed_at is None else max(0.0, self.allowed_at - now)
+        return None if self.allowed_at is None or self.allowed_at == float("inf") else max(0.0, self.allowed_at - now)
 
     @property
     def sleeps_through_jobs(self) -> bool:
-        """A new job changes nothing before the rate limit's turn: only the lane's news ends the wait."""
-        return self.reason == "rate"
+        """A new job changes nothing before the rate limit's turn or a pause's end: only the lane's news
+        ends the wait."""
+        return self.reason in ("rate", "paused")
 
     def holds_start(self, now: float) -> bool:
         """The rate limit said this slot's next start must wait: an outcome is stored without a claim."""

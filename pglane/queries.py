@@ -5,13 +5,14 @@ No statement is built from user input: lane names, payloads and keys are always 
 
 from typing import LiteralString
 
-ENQUEUE: LiteralString = "SELECT pglane.enqueue(%s, %s::jsonb, %s, %s, %s, %s, %s, %s)"
+ENQUEUE: LiteralString = "SELECT pglane.enqueue(%s, %s::jsonb, %s, %s, %s, %s, %s, %s, make_interval(secs => %s))"
 CLAIM: LiteralString = "SELECT * FROM pglane.claim(%s, %s)"
 CLAIM_OR_WAIT: LiteralString = "SELECT * FROM pglane.claim_or_wait(%s, %s)"  # the worker's: always a row
 # An outcome carries the attempt's token (claim() returned it): any session holding it may write.
 COMPLETE: LiteralString = "SELECT pglane.complete(%s, %s::jsonb, %s)"
 COMPLETE_AND_CLAIM: LiteralString = "SELECT * FROM pglane.complete_and_claim(%s, %s::jsonb, %s, %s, %s)"
 FAIL: LiteralString = "SELECT pglane.fail(%s, %s, %s, %s)"
+DEFER: LiteralString = "SELECT pglane.defer(%s, make_interval(secs => %s), %s, %s)"
 RECOVER: LiteralString = "SELECT pglane.recover(%s)"
 RELEASE_LEASE: LiteralString = "SELECT pglane.release_lease(%s)"
 RETRY: LiteralString = "SELECT pglane.retry(%s)"
@@ -38,10 +39,10 @@ SET_LANE: LiteralString = "SELECT pglane.set_lane(%s, %s::jsonb) AS note"
 CREATE_LANE: LiteralString = (
     "INSERT INTO pglane.lanes (name, slots, job_timeout, lease_timeout, max_attempts, max_queued,"
     " waiting_grace, max_payload_bytes, retry_backoff, max_result_bytes, takeover, rate_limit, rate_period,"
-    " key_retention, group_slots)"
+    " key_retention, group_slots, max_deferrals, on_retry_later, pause_after_failures)"
     " SELECT %s, %s, make_interval(secs => %s), make_interval(secs => %s), %s, %s,"
     " make_interval(secs => %s), %s, make_interval(secs => %s), %s, %s, r.rate_limit, r.rate_period,"
-    " make_interval(secs => %s), %s"
+    " make_interval(secs => %s), %s, %s, %s, %s"
     " FROM pglane.parse_rate(coalesce(%s, 'none')) r RETURNING id"
 )
 
@@ -137,3 +138,8 @@ SLOTS_ABOVE: LiteralString = (
     "SELECT slot, pid, application_name FROM pglane.slot_sessions"
     " WHERE lane = %s AND granted AND slot > %s ORDER BY slot"
 )
+
+# A pause ends at a given moment, after a length, or (neither given) when a person resumes it.
+PAUSE_LANE: LiteralString = (
+    "SELECT pglane.pause_lane(%s, coalesce(%s, now() + make_interval(secs => %s), 'infinity'), %s) AS note")
+RESUME_LANE: LiteralString = "SELECT pglane.resume_lane(%s) AS note"

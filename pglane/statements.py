@@ -25,6 +25,7 @@ from typing import Any, Literal, LiteralString, TypeVar
 from . import queries, timing
 from .errors import (
     ConfigurationError,
+    InvalidInput,
     InvalidPayload,
     JobCancelled,
     JobFailed,
@@ -87,14 +88,17 @@ DEFAULT_KEY_RETENTION = 30 * 86400.0  # seconds a pruned job's idempotency key i
 def create_lane(name: str, *, slots: int, job_timeout: float, lease_timeout: float | None, max_attempts: int,
                 max_queued: int | None, waiting_grace: float, max_payload_bytes: int, retry_backoff: float,
                 max_result_bytes: int, takeover: str, rate: str | None = None,
-                key_retention: float = DEFAULT_KEY_RETENTION, group_slots: int | None = None) -> Plan[int]:
+                key_retention: float = DEFAULT_KEY_RETENTION, group_slots: int | None = None,
+                max_deferrals: int = 20, on_retry_later: str = "lane",
+                pause_after_failures: int | None = None) -> Plan[int]:
     lease = timing.default_lease_timeout(job_timeout) if lease_timeout is None else lease_timeout
     for label, value in (("job_timeout", job_timeout), ("lease_timeout", lease)):
         if not math.isfinite(value):
             raise ConfigurationError(f"{label} must be a finite number of seconds")
     row = yield Query(queries.CREATE_LANE, (name, slots, job_timeout, lease, max_attempts, max_queued, waiting_grace,
                                             max_payload_bytes, retry_backoff, max_result_bytes, takeover,
-                                            key_retention, group_slots, rate))
+                                            key_retention, group_slots, max_deferrals,
+                                            on_retry_later.replace("-", "_"), pause_after_failures, rate))
     return int(row["id"])
 
 
@@ -104,15 +108,38 @@ def set_lane(name: str, settings: dict[str, Any]) -> Plan[str]:
     return str(row["note"])
 
 
+def pause_lane(name: str, *, for_seconds: float | None = None, until: datetime | None = None,
+               reason: str | None = None) -> Plan[str]:
+    """Pause lane ``name`` (pglane.pause_lane): for some seconds, until a moment, or (neither) until resumed."""
+    if for_seconds is not None and until is not None:
+        raise InvalidInput("give a pause's length (for) or its end (until), not both")
+    if for_seconds is not None and (isinstance(for_seconds, bool) or not isinstance(for_seconds, int | float)
+                                    or not math.isfinite(for_seconds) or for_seconds <= 0):
+        raise InvalidInput(f"a pause of {for_seconds!r} seconds: give a length above zero, e.g. 600 or '10m' "
+                           "on the command line")
+    row = yield Query(queries.PAUSE_LANE, (name, until, for_seconds, reason))
+    return str(row["note"])
+
+
+def resume_lane(name: str) -> Plan[str]:
+    """End lane ``name``'s pause now (pglane.resume_lane)."""
+    row = yield Query(queries.RESUME_LANE, (name,))
+    return str(row["note"])
+
+
 def lanes() -> Plan[list[Row]]:
     return (yield Query(queries.LANES, {"name": None}, rows="all"))  # type: ignore[no-any-return]
 
 
 def enqueue(lane: str, payload: Any, *, key: str | None, run_after: datetime | None,
             if_full: Literal["error", "skip"], cost: int = 1, group: str | None = None,
-            priority: int = 0) -> Plan[int | None]:
+            priority: int = 0, job_timeout: float | None = None) -> Plan[int | None]:
     text = "{}" if payload is _EMPTY else payload_json(payload)
-    row = yield Query(queries.ENQUEUE, (lane, text, key, run_after, if_full, cost, group, priority))
+    if job_timeout is not None and (isinstance(job_timeout, bool) or not isinstance(job_timeout, int | float)
+                                    or not math.isfinite(job_timeout) or job_timeout <= 0):
+        raise InvalidInput(f"job_timeout={job_timeout!r}: a job's own timeout is a number of seconds above zero, "
+                           "at most its lane's job_timeout; nothing was enqueued")
+    row = yield Query(queries.ENQUEUE, (lane, text, key, run_after, if_full, cost, group, priority, job_timeout))
     return None if row["enqueue"] is None else int(row["enqueue"])
 
 

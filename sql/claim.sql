@@ -3,8 +3,10 @@
 -- claimed: the row a claim hands its worker, declared once for claim(), claim_impl() and
 -- complete_and_claim(). `completed` is set by complete_and_claim() only (whether the result it
 -- delivered was accepted); a plain claim leaves it NULL. With no eligible job, every other column is NULL
--- but wait_seconds and wait_reason: how long until a strict lane's lease ('lease') or a rate-limited
--- lane's window ('rate') lets this slot start a job. A rate-limited lane's claim that took a job sets
+-- but wait_seconds and wait_reason: how long until a strict lane's lease ('lease'), a rate-limited
+-- lane's window ('rate') or a pause's end ('paused', pause.sql; wait_seconds NULL: until resumed) lets
+-- this slot start a job. job_timeout: the call's timeout in seconds, the job's own if it has one
+-- (never above the lane's), else the lane's. A rate-limited lane's claim that took a job sets
 -- them too when this slot's next start must wait.
 -- (A type, so alembic owns it: see revision 0007.)
 
@@ -66,7 +68,10 @@ END $$;
 -- change and the row's pending starts, rate_start; any other lane hands in 0 and none), and with it
 -- the lane's round (groups.sql); the job becomes running and its attempt row records the claiming
 -- session's identity (pid and mark, sessions.sql), which recovery later checks. Lock order: the job,
--- then the counters row, then the attempt.
+-- then the counters row, then the attempt. On a paused lane (pause.sql) the seq is not bumped and
+-- nothing is written: the claim answers with the pause's end (the check is in the counters UPDATE's
+-- WHERE, so a claim that waited for a pause's commit re-reads it). The call's timeout is handed to
+-- the worker: the job's own job_timeout if it has one, never above the lane's.
 CREATE OR REPLACE FUNCTION pglane.take(p_lane pglane.lanes, p_job pglane.picked, p_worker text, p_at timestamptz,
                                        p_window_change bigint, p_pending_starts timestamptz[]) RETURNS pglane.claimed
 LANGUAGE plpgsql AS $$
@@ -80,12 +85,17 @@ BEGIN
            window_cost = c.window_cost + p_window_change,
            pending_starts = p_pending_starts,
            served_rank = greatest(c.served_rank, p_job.fair_rank)
-     WHERE c.lane_id = p_lane.id
+     WHERE c.lane_id = p_lane.id AND NOT coalesce(c.paused_until > p_at, false)
     RETURNING c.last_seq INTO r.seq;
+    IF NOT FOUND THEN  -- the lane is paused (pause.sql): nothing written; the job stays queued, unlocked at commit
+        SELECT w.wait_seconds, w.wait_reason INTO r.wait_seconds, r.wait_reason FROM pglane.pause_wait(p_lane.id) w;
+        RETURN r;
+    END IF;
     UPDATE pglane.jobs j
        SET status = 'running', started_at = p_at, attempts = j.attempts + 1, seq = r.seq
      WHERE j.id = p_job.id
-    RETURNING j.id, j.attempts, j.payload, j.idempotency_key INTO r.job_id, r.attempt_number, r.payload, r.idempotency_key;
+    RETURNING j.id, j.attempts, j.payload, j.idempotency_key, extract(epoch FROM least(j.job_timeout, p_lane.job_timeout))
+         INTO r.job_id, r.attempt_number, r.payload, r.idempotency_key, r.job_timeout;
     r.lease_expires_at := p_at + p_lane.lease_timeout;
     v_mark := pglane.session_mark();  -- the claiming session's identity (sessions.sql)
     INSERT INTO pglane.attempts AS a
@@ -170,6 +180,9 @@ BEGIN
         RETURN r;
     END IF;
     r := pglane.take(v_lane, v_job, p_worker, v_start.at, v_start.window_change, v_start.pending_starts);
+    IF r.job_id IS NULL THEN  -- paused: take's answer (rate_start checked the pause already, under the lock)
+        RETURN r;
+    END IF;
     r.wait_seconds := v_start.wait_seconds;  -- already told when this slot's next turn comes (rate_start)
     r.wait_reason := v_start.wait_reason;
     RETURN r;

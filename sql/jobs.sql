@@ -80,11 +80,12 @@ DECLARE
     v_period    interval;
     v_weighted  boolean;
     v_lane_id   integer;
+    v_timeout   interval;  -- the lane's job_timeout
 BEGIN
     -- FOR KEY SHARE, as the foreign key's check takes anyway: a set_lane lowering the rate holds the
     -- row FOR UPDATE until it commits, and this read then sees the new rate (lanes.sql, set_lane).
-    SELECT l.max_payload_bytes, l.rate_limit, l.rate_period, l.weighted, l.id
-      INTO v_max_bytes, v_rate, v_period, v_weighted, v_lane_id
+    SELECT l.max_payload_bytes, l.rate_limit, l.rate_period, l.weighted, l.id, l.job_timeout
+      INTO v_max_bytes, v_rate, v_period, v_weighted, v_lane_id, v_timeout
       FROM pglane.lanes l WHERE l.name = NEW.lane FOR KEY SHARE;
     IF NOT FOUND THEN
         RAISE EXCEPTION USING ERRCODE = 'PGL01',
@@ -92,11 +93,20 @@ BEGIN
             HINT = 'create it first: pglane lane create NAME (or check the spelling)';
     END IF;
     IF NEW.status IS DISTINCT FROM 'queued' OR NEW.attempts IS DISTINCT FROM 0 OR NEW.seq IS NOT NULL
-       OR NEW.started_at IS NOT NULL OR NEW.finished_at IS NOT NULL OR NEW.result IS NOT NULL THEN
+       OR NEW.started_at IS NOT NULL OR NEW.finished_at IS NOT NULL OR NEW.result IS NOT NULL
+       OR NEW.deferrals_in_row IS DISTINCT FROM 0 THEN
         RAISE EXCEPTION USING ERRCODE = 'PGL10',
             MESSAGE = 'a new job must be inserted queued',
-            HINT = 'insert only lane, payload, idempotency_key, run_after, cost, group_key and priority; '
-                   'pglane sets the rest';
+            HINT = 'insert only lane, payload, idempotency_key, run_after, cost, group_key, priority and '
+                   'job_timeout; pglane sets the rest';
+    END IF;
+    -- A job's own call timeout: at most its lane's, which sizes the lease and the worker's timeouts.
+    IF NEW.job_timeout <= interval '0' OR NEW.job_timeout > v_timeout THEN
+        RAISE EXCEPTION USING ERRCODE = 'PGL10',
+            MESSAGE = format('a job timeout of %s on lane %L, whose job_timeout is %s: a job''s own timeout is '
+                             'above zero and at most its lane''s', NEW.job_timeout, NEW.lane, v_timeout),
+            HINT = format('give at most %s seconds, or raise the lane''s: pglane lane set %s --job-timeout SECONDS '
+                          '(its lease grows with it)', extract(epoch FROM v_timeout), NEW.lane);
     END IF;
     PERFORM pglane.check_payload(NEW.payload, v_max_bytes, NEW.lane);
     IF NEW.idempotency_key IS NOT NULL AND length(NEW.idempotency_key) NOT BETWEEN 1 AND 255 THEN
@@ -140,7 +150,8 @@ CREATE TRIGGER jobs_before_insert BEFORE INSERT ON pglane.jobs
 
 -- enqueue: add a job and return its id (p_if_full 'skip': NULL when the bounded lane is full, nothing
 -- written, no error; p_cost: what its start counts against the lane's rate; p_group: the tenant it
--- belongs to, p_priority: higher first, groups.sql). The same key again returns the existing job's id, whatever
+-- belongs to, p_priority: higher first, groups.sql; p_job_timeout: its call's own timeout, at most
+-- the lane's). The same key again returns the existing job's id, whatever
 -- its status, and writes nothing; the same key with another payload is an error. A concurrent twin
 -- waits on the unique index for the first insert to commit, then finds it. A key another login
 -- enqueued is refused alike whatever the payload (PGL05), so that the answer reveals nothing of that
@@ -154,7 +165,8 @@ CREATE OR REPLACE FUNCTION pglane.enqueue(
     p_if_full text DEFAULT 'error',
     p_cost integer DEFAULT 1,
     p_group text DEFAULT NULL,
-    p_priority integer DEFAULT 0
+    p_priority integer DEFAULT 0,
+    p_job_timeout interval DEFAULT NULL
 ) RETURNS bigint
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
@@ -178,8 +190,8 @@ BEGIN
             RETURN NULL;
         END IF;
     END IF;
-    INSERT INTO pglane.jobs AS j (lane, payload, idempotency_key, run_after, cost, group_key, priority)
-    VALUES (p_lane, p_payload, p_idempotency_key, p_run_after, p_cost, p_group, p_priority)
+    INSERT INTO pglane.jobs AS j (lane, payload, idempotency_key, run_after, cost, group_key, priority, job_timeout)
+    VALUES (p_lane, p_payload, p_idempotency_key, p_run_after, p_cost, p_group, p_priority, p_job_timeout)
     ON CONFLICT (lane, idempotency_key) DO NOTHING
     RETURNING j.id INTO v_id;
     IF v_id IS NOT NULL THEN
@@ -250,6 +262,7 @@ DECLARE
     v_number integer;
     v_late   record;
     v_proof  boolean;
+    v_lane   text;
 BEGIN
     -- The usual case: the job is running and this is its latest attempt. The UPDATE takes the job's
     -- row lock and, had it to wait, re-checks the guard on the newest row version (the attempt's
@@ -258,13 +271,15 @@ BEGIN
     UPDATE pglane.jobs j SET status = 'done', finished_at = now(), result = p_result
       FROM pglane.attempts a
      WHERE a.id = p_attempt_id AND j.id = a.job_id AND j.status = 'running' AND j.attempts = a.attempt_number
-       AND (a.token = p_token OR pglane.may_write(p_token, a.token, a.backend_pid, a.backend_start, a.session_mark));
+       AND (a.token = p_token OR pglane.may_write(p_token, a.token, a.backend_pid, a.backend_start, a.session_mark))
+    RETURNING j.lane INTO v_lane;
     IF FOUND THEN
         UPDATE pglane.attempts a SET status = 'done', finished_at = now()
          WHERE a.id = p_attempt_id AND a.status = 'running';
         IF NOT FOUND THEN
             RAISE EXCEPTION 'pglane invariant broken: a running job''s latest attempt % is finished', p_attempt_id;
         END IF;
+        PERFORM pglane.breaker_success(v_lane);
         RETURN true;
     END IF;
 
@@ -315,7 +330,7 @@ AS $$
 $$;
 
 -- fail: record that attempt p_attempt_id failed (or timed out); true if it was accepted.
--- Same guard as complete for a running attempt. The job goes back to the queue after the lane's
+-- Same guard as complete for a running attempt. It counts toward the lane's breaker (pause.sql). The job goes back to the queue after the lane's
 -- retry_backoff (doubling per attempt, capped at one hour) while attempts remain, else it is failed;
 -- it is failed too when its bounded lane is full, with the reason and the command to run it later.
 -- A failure always says why: given no reason (NULL or blank), it records that none was given; a
@@ -356,11 +371,82 @@ BEGIN
     PERFORM pglane.requeue_or_fail(v_job.id, v_job.lane, v_job.attempts, p_error, '', '',
                                    least(l.retry_backoff * 2 ^ (v_job.attempts - 1), interval '1 hour'))
        FROM pglane.lanes l WHERE l.name = v_job.lane;
+    PERFORM pglane.breaker_failure(v_job.lane, p_attempt_id, p_error);  -- pause.sql
     RETURN true;
 END $$;
 
+-- defer: the handler of attempt p_attempt_id said "not paid, try later" (pglane.RetryLater): the
+-- attempt ends deferred, with the reason; the job goes back to the queue to run after p_after, and
+-- a deferral does not count toward max_attempts (requeue_or_fail). The handler's word is the evidence
+-- that nothing was paid. After the lane's max_deferrals deferrals in a row the job fails instead,
+-- with the reason, so that nothing loops for ever. On a lane whose on_retry_later is 'lane' the whole
+-- lane pauses until the same moment (pause.sql). Same guard as fail(); true if it was accepted.
+-- Refused (PGL10) with what to do: a delay that is negative, unknown or longer than a week.
+CREATE OR REPLACE FUNCTION pglane.defer(p_attempt_id bigint, p_after interval, p_reason text,
+                                        p_token uuid DEFAULT NULL)
+RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
+DECLARE
+    v_job  pglane.jobs;
+    v_lane pglane.lanes;
+BEGIN
+    IF p_after IS NULL OR p_after < interval '0' OR p_after > interval '7 days' THEN
+        RAISE EXCEPTION USING ERRCODE = 'PGL10',
+            MESSAGE = format('a deferral of %s: retry later takes 0 seconds to 7 days', coalesce(p_after::text, 'NULL')),
+            HINT = 'give the provider''s Retry-After; for longer, pause the lane: pglane lane pause LANE --for DURATION';
+    END IF;
+    p_reason := 'deferred: ' || pglane.bounded_error(coalesce(nullif(btrim(p_reason, E' \t\r\n'), ''),
+                                                              'no reason given'));
+    IF NOT EXISTS (SELECT 1 FROM pglane.attempts a WHERE a.id = p_attempt_id
+                      AND (a.token = p_token OR pglane.may_write(p_token, a.token, a.backend_pid, a.backend_start, a.session_mark))) THEN
+        IF EXISTS (SELECT 1 FROM pglane.attempts a WHERE a.id = p_attempt_id) THEN
+            PERFORM pglane.not_the_claimer(p_attempt_id);
+        END IF;
+        RETURN false;
+    END IF;
+    SELECT j.* INTO v_job FROM pglane.jobs j
+     WHERE j.id = (SELECT a.job_id FROM pglane.attempts a WHERE a.id = p_attempt_id)
+       FOR UPDATE;
+    IF NOT FOUND OR v_job.status <> 'running' THEN
+        RETURN false;
+    END IF;
+    UPDATE pglane.attempts a SET status = 'deferred', finished_at = now(), error = p_reason
+     WHERE a.id = p_attempt_id AND a.attempt_number = v_job.attempts AND a.status = 'running';
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    SELECT * INTO v_lane FROM pglane.lanes l WHERE l.name = v_job.lane;
+    IF v_job.deferrals_in_row + 1 > v_lane.max_deferrals THEN
+        UPDATE pglane.jobs j SET status = 'failed', failed_or_cancelled = true, finished_at = now(),
+               deferrals_in_row = 0,
+               last_error = format('%s; failed: deferred %s times in a row, more than lane %s allows '
+                                   '(--max-deferrals %s); when the provider takes calls again: pglane retry %s',
+                                   p_reason, v_job.deferrals_in_row + 1, v_job.lane, v_lane.max_deferrals, v_job.id)
+         WHERE j.id = v_job.id;
+        RETURN true;
+    END IF;
+    PERFORM pglane.requeue_or_fail(v_job.id, v_job.lane, v_job.attempts, p_reason, '', '', p_after);
+    -- requeue_or_fail ends a run of deferrals, as a failure does; this one goes on.
+    UPDATE pglane.jobs j SET deferrals_in_row = v_job.deferrals_in_row + 1 WHERE j.id = v_job.id;
+    IF v_lane.on_retry_later = 'lane' THEN
+        PERFORM pglane.pause_for(v_lane.id, now() + p_after, 'retry_later', pglane.caller(),
+                                 format('attempt %s of job %s: %s', p_attempt_id, v_job.id, p_reason),
+                                 ARRAY[p_attempt_id]);
+    END IF;
+    RETURN true;
+END $$;
+
+-- deferrals: how many of job p_job_id's attempts were deferred (they do not count toward max_attempts).
+CREATE OR REPLACE FUNCTION pglane.deferrals(p_job_id bigint) RETURNS bigint
+LANGUAGE sql STABLE AS $$
+    SELECT count(*) FROM pglane.attempts a WHERE a.job_id = p_job_id AND a.status = 'deferred';
+$$;
+
 -- requeue_or_fail: where a job goes after its attempt failed or was lost: back to the queue after
--- p_delay while the lane allows more attempts and (on a bounded lane) has room, else failed. The
+-- p_delay while the lane allows more attempts (its deferred attempts do not count: defer) and (on a
+-- bounded lane) has room, else failed. Either way its run of deferrals in a row ends. The
 -- reason p_error is kept in last_error, with p_requeued_note or p_final_note after it; a job failed
 -- only because its lane was full says so, with the command to run it later. A job eligible at once
 -- wakes the lane. Returns whether it was re-queued. Caller holds the job's row lock and has finished
@@ -374,10 +460,10 @@ DECLARE
     v_lane pglane.lanes;
 BEGIN
     SELECT * INTO v_lane FROM pglane.lanes l WHERE l.name = p_lane;
-    IF p_attempt_number < v_lane.max_attempts THEN  -- nested: queue_admit takes a place when it says yes
-        IF pglane.queue_admit(p_lane) THEN
+    IF p_attempt_number - pglane.deferrals(p_job_id) < v_lane.max_attempts THEN  -- nested: queue_admit
+        IF pglane.queue_admit(p_lane) THEN                                      -- takes a place on yes
             UPDATE pglane.jobs j SET status = 'queued', run_after = now() + p_delay,
-                   last_error = p_error || p_requeued_note
+                   last_error = p_error || p_requeued_note, deferrals_in_row = 0
              WHERE j.id = p_job_id;
             IF p_delay <= interval '0' THEN
                 PERFORM pglane.notify_lane(v_lane.id);
@@ -388,7 +474,7 @@ BEGIN
                                'room: pglane retry %s', p_lane, v_lane.max_queued, p_job_id);
     END IF;
     UPDATE pglane.jobs j SET status = 'failed', failed_or_cancelled = true, finished_at = now(),
-           last_error = p_error || p_final_note
+           last_error = p_error || p_final_note, deferrals_in_row = 0
      WHERE j.id = p_job_id;
     RETURN false;
 END $$;
@@ -448,7 +534,8 @@ BEGIN
                              v_job.status, (SELECT l.max_queued FROM pglane.lanes l WHERE l.name = v_job.lane)),
             HINT = 'retry it once workers have drained the lane, or raise the lane''s max_queued';
     END IF;
-    UPDATE pglane.jobs j SET status = 'queued', failed_or_cancelled = false, run_after = now(), finished_at = NULL
+    UPDATE pglane.jobs j SET status = 'queued', failed_or_cancelled = false, run_after = now(), finished_at = NULL,
+           deferrals_in_row = 0
      WHERE j.id = p_job_id;
     PERFORM pglane.notify_lane((SELECT l.id FROM pglane.lanes l WHERE l.name = v_job.lane));
     RETURN true;

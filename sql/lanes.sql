@@ -112,8 +112,9 @@ DECLARE
     v_rate record;
     v_keys CONSTANT text[] := ARRAY['slots', 'job_timeout', 'lease_timeout', 'max_attempts', 'max_queued', 'rate',
                                     'takeover', 'waiting_grace', 'retry_backoff', 'max_payload_bytes',
-                                    'max_result_bytes', 'key_retention', 'group_slots'];
-    v_removable CONSTANT text[] := ARRAY['max_queued', 'rate', 'group_slots'];
+                                    'max_result_bytes', 'key_retention', 'group_slots', 'max_deferrals',
+                                    'on_retry_later', 'pause_after_failures'];
+    v_removable CONSTANT text[] := ARRAY['max_queued', 'rate', 'group_slots', 'pause_after_failures'];
 BEGIN
     IF p_settings IS NULL OR jsonb_typeof(p_settings) <> 'object' OR p_settings = '{}' THEN
         RAISE EXCEPTION USING ERRCODE = 'PGL10', MESSAGE = 'no settings to change',
@@ -145,12 +146,17 @@ BEGIN
         IF p_settings ? 'group_slots' THEN
             v_new.group_slots := (p_settings ->> 'group_slots')::integer;
         END IF;
+        v_new.max_deferrals := coalesce((p_settings ->> 'max_deferrals')::integer, p_old.max_deferrals);
+        IF p_settings ? 'pause_after_failures' THEN
+            v_new.pause_after_failures := (p_settings ->> 'pause_after_failures')::integer;
+        END IF;
     EXCEPTION WHEN invalid_text_representation OR numeric_value_out_of_range OR invalid_datetime_format
                    OR datetime_field_overflow OR interval_field_overflow THEN
         RAISE EXCEPTION USING ERRCODE = 'PGL10', MESSAGE = format('lane settings %s: %s', p_settings, SQLERRM),
             HINT = 'counts are whole numbers; timeouts are seconds or intervals such as ''10 minutes''';
     END;
     v_new.takeover := coalesce(replace(p_settings ->> 'takeover', '-', '_'), p_old.takeover);
+    v_new.on_retry_later := coalesce(p_settings ->> 'on_retry_later', p_old.on_retry_later);
     IF p_settings ? 'rate' THEN
         SELECT * INTO v_rate FROM pglane.parse_rate(coalesce(p_settings ->> 'rate', 'none'));
         v_new.rate_limit := v_rate.rate_limit;
@@ -165,7 +171,8 @@ END $$;
 -- lease_timeout (seconds, or an interval such as '10 minutes'), max_attempts, max_queued (null:
 -- unbounded), rate ('10/s', null or 'none': unlimited), takeover, waiting_grace, retry_backoff,
 -- max_payload_bytes, max_result_bytes, key_retention (how long a pruned job's key is remembered),
--- group_slots (null: no limit per group). Validated as lane create is (the lanes CHECKs, R1 among
+-- group_slots (null: no limit per group), max_deferrals, on_retry_later ('job' or 'lane'),
+-- pause_after_failures (null: no breaker; pause.sql). Validated as lane create is (the lanes CHECKs, R1 among
 -- them); a lowered rate is refused while a queued job costs more than it allows (that job could never
 -- start). Returns what changed and what it means for running workers. Nothing changes when anything
 -- is refused.
@@ -220,7 +227,8 @@ BEGIN
            rate_period = v_new.rate_period, takeover = v_new.takeover, waiting_grace = v_new.waiting_grace,
            retry_backoff = v_new.retry_backoff, max_payload_bytes = v_new.max_payload_bytes,
            max_result_bytes = v_new.max_result_bytes, key_retention = v_new.key_retention,
-           group_slots = v_new.group_slots
+           group_slots = v_new.group_slots, max_deferrals = v_new.max_deferrals,
+           on_retry_later = v_new.on_retry_later, pause_after_failures = v_new.pause_after_failures
      WHERE l.id = v_old.id;
     -- Wake the lane's workers: one sleeping until a rate allows a start may start sooner now.
     PERFORM pglane.notify('pglane_' || v_old.id, 'settings');

@@ -154,7 +154,7 @@ END $$;
 -- row of lane_starts, with the seq that take gives it (the one after the locked last_seq); if a start
 -- like it would not fit after it, wait_seconds already says when this slot's next turn comes, and the
 -- worker stores this job's outcome without claiming again too soon. A start refused here leaves its
--- job untouched, unlocked at commit.
+-- job untouched, unlocked at commit; so does a paused lane's (pause.sql), refused first.
 CREATE OR REPLACE FUNCTION pglane.rate_start(p_lane pglane.lanes, p_cost integer, p_slot integer,
     OUT admit boolean, OUT at timestamptz, OUT window_change bigint, OUT pending_starts timestamptz[],
     OUT wait_seconds double precision, OUT wait_reason text)
@@ -163,10 +163,16 @@ DECLARE
     v_seq     bigint;  -- this start's seq
     v_window  bigint;  -- the cost started in the window ending at `at`, this start left out
     v_expired bigint;  -- the cost of the starts that left the window, deleted now
+    v_paused  timestamptz;  -- the lane is paused until then (pause.sql)
 BEGIN
-    SELECT c.last_seq + 1, c.window_cost, c.pending_starts INTO v_seq, v_window, pending_starts
+    SELECT c.last_seq + 1, c.window_cost, c.pending_starts, c.paused_until INTO v_seq, v_window, pending_starts, v_paused
       FROM pglane.lane_counters c WHERE c.lane_id = p_lane.id FOR UPDATE;
     at := clock_timestamp();
+    IF v_paused > at THEN  -- paused: refused before anything is recorded
+        admit := false;
+        SELECT w.wait_seconds, w.wait_reason INTO wait_seconds, wait_reason FROM pglane.pause_wait(p_lane.id) w;
+        RETURN;
+    END IF;
     IF p_cost = 1 AND v_window + 2 <= p_lane.rate_limit AND cardinality(pending_starts) < 31 THEN  -- fast
         admit := true;
         window_change := 1;

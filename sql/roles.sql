@@ -35,6 +35,7 @@ GRANT EXECUTE ON FUNCTION
     pglane.parse_rate(text), pglane.rate_text(integer, interval), pglane.rate_window_use(text),
     pglane.rate_next_start(text), pglane.lanes_next_start(),                               -- rate.sql
     pglane.group_in_flight(pglane.lanes, text), pglane.groups_waiting(text),               -- groups.sql
+    pglane.pause_note(text, timestamptz, text, text, text, bigint[]),                      -- pause.sql
     pglane.queue_positions(text),                                                          -- views.sql
     pglane.notifications_skipped(),                                                        -- lanes.sql
     pglane.await_job(bigint)                                                               -- wait.sql
@@ -43,19 +44,21 @@ GRANT EXECUTE ON FUNCTION
 -- pglane_producer: enqueue (the function, or a plain INSERT of the input columns), wait for a job
 -- (await_job, above) and read the status of its own jobs: job_status shows a producer only the jobs
 -- it enqueued, and the policies below only its own rows of jobs.
-GRANT EXECUTE ON FUNCTION pglane.enqueue(text, jsonb, text, timestamptz, text, integer, text, integer)
+GRANT EXECUTE ON FUNCTION pglane.enqueue(text, jsonb, text, timestamptz, text, integer, text, integer, interval)
     TO pglane_producer;
-GRANT INSERT (lane, payload, idempotency_key, run_after, cost, group_key, priority) ON pglane.jobs TO pglane_producer;
+GRANT INSERT (lane, payload, idempotency_key, run_after, cost, group_key, priority, job_timeout)
+    ON pglane.jobs TO pglane_producer;
 -- INSERT ... ON CONFLICT (lane, idempotency_key) DO NOTHING reads the conflict target's columns.
 GRANT SELECT (lane, idempotency_key) ON pglane.jobs TO pglane_producer;
 GRANT SELECT ON pglane.job_status TO pglane_producer;
 
--- pglane_worker: claim, complete, fail, recover; read the lanes, the jobs and their attempts (the
+-- pglane_worker: claim, complete, fail, defer (a handler's RetryLater), recover; read the lanes, the jobs and their attempts (the
 -- worker's queue gauges count running attempts), every column of attempts but token: the secret
 -- claim() tells only the claiming session, which complete() and fail() from elsewhere need.
 GRANT EXECUTE ON FUNCTION pglane.claim(text, text), pglane.claim_or_wait(text, text),
                           pglane.complete(bigint, jsonb, uuid), pglane.fail(bigint, text, boolean, uuid),
-                          pglane.complete_and_claim(bigint, jsonb, text, text, uuid), pglane.recover(text)
+                          pglane.complete_and_claim(bigint, jsonb, text, text, uuid), pglane.recover(text),
+                          pglane.defer(bigint, interval, text, uuid)
     TO pglane_worker;
 GRANT SELECT ON pglane.lanes, pglane.jobs TO pglane_worker;
 GRANT SELECT (id, job_id, attempt_number, status, worker, backend_pid, backend_start, session_mark, started_at,
@@ -64,17 +67,19 @@ GRANT SELECT (id, job_id, attempt_number, status, worker, backend_pid, backend_s
 
 -- pglane_operator: read the lanes, the jobs, their attempts, the recorded starts, the tallies, the
 -- remembered keys and every view; decide about a job (retry, cancel) or a lost attempt's lease
--- (release_lease); recover, prune, change a lane's settings (set_lane), count the tallies again.
+-- (release_lease); recover, prune, change a lane's settings (set_lane), pause and resume a lane
+-- (pause.sql), count the tallies again.
 GRANT SELECT ON pglane.lanes, pglane.jobs, pglane.attempts, pglane.lane_starts, pglane.lane_tallies,
                 pglane.pruned_keys, pglane.lane_status, pglane.job_status, pglane.running_attempts,
-                pglane.slot_sessions, pglane.lane_groups
+                pglane.slot_sessions, pglane.lane_groups, pglane.lane_pauses
     TO pglane_operator;
 GRANT EXECUTE ON FUNCTION pglane.retry(bigint), pglane.cancel(bigint), pglane.release_lease(bigint),
                           pglane.recover(text), pglane.stuck_attempts(text),
                           pglane.prune(interval, text, boolean, boolean),
                           pglane.prune_batch(interval, text, boolean, bigint, integer, boolean),
                           pglane.set_lane(text, jsonb), pglane.lane_flow(text), pglane.lane_queue(text),
-                          pglane.recount_tallies(), pglane.group_status(text, integer)
+                          pglane.recount_tallies(), pglane.group_status(text, integer),
+                          pglane.pause_lane(text, timestamptz, text), pglane.resume_lane(text)
     TO pglane_operator;
 
 -- Rows of jobs: a producer reads only the jobs it enqueued (enqueued_by = caller(), jobs.sql) and may

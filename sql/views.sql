@@ -160,7 +160,8 @@ WITH running AS (
            coalesce(h.holders, '[]') AS holders, coalesce(h.squatters, 0) AS squatters, h.squatter_action,
            l.takeover, x.in_flight, x.lost_attempt, x.lease_ends,
            pglane.rate_text(l.rate_limit, l.rate_period) AS rate, x.rate_window_used, x.rate_next_start_at,
-           l.group_slots, x.groups_waiting
+           l.group_slots, x.groups_waiting,
+           pz.paused_until, pz.kind AS pause_kind, pz.paused_by, pz.reason AS pause_reason, pz.attempts AS pause_attempts
       FROM pglane.lanes l
      CROSS JOIN LATERAL pglane.lane_queue(l.name) q
      CROSS JOIN LATERAL (SELECT coalesce(sum(t.jobs), 0)::bigint AS jobs, coalesce(sum(t.failed), 0)::bigint AS failed,
@@ -173,6 +174,9 @@ WITH running AS (
                            FROM pglane.in_flight(l.name) f OFFSET 0) x
       LEFT JOIN LATERAL (SELECT fl.arrived_5m, fl.left_5m FROM pglane.lane_flow(l.name) fl
                           WHERE q.eligible > 0 AND now() - q.oldest_eligible > l.waiting_grace OFFSET 0) fl ON true
+      LEFT JOIN LATERAL (SELECT c.paused_until, p.kind, p.paused_by, p.reason, p.attempts  -- pause.sql
+                           FROM pglane.lane_counters c LEFT JOIN pglane.lane_pauses p ON p.lane_id = c.lane_id
+                          WHERE c.lane_id = l.id AND c.paused_until > now()) pz ON true
       LEFT JOIN running r ON r.lane = l.name
       LEFT JOIN attempts_now an ON an.lane = l.name
       LEFT JOIN holders h ON h.lane_id = l.id
@@ -189,6 +193,8 @@ SELECT b.lane, b.slots, b.consumers, b.queued, b.running, b.done, b.failed, b.ca
                       '(pglane jobs --lane %s --status running); end them with: pglane recover %s --terminate-stuck',
                       b.stuck, b.lane, b.lane)
            WHEN b.squatters > 0 THEN b.squatter_action
+           WHEN b.paused_until IS NOT NULL THEN
+               pglane.pause_note(b.lane, b.paused_until, b.pause_kind, b.paused_by, b.pause_reason, b.pause_attempts)
            WHEN b.takeover = 'after_lease' AND b.in_flight >= b.slots AND b.lost_attempt IS NOT NULL AND b.queued > 0 THEN
                pglane.lease_wait_note(b.lane, b.lost_attempt, b.lease_ends)
            WHEN b.consumers = 0 AND b.queued > 0 THEN
@@ -207,7 +213,8 @@ SELECT b.lane, b.slots, b.consumers, b.queued, b.running, b.done, b.failed, b.ca
        END AS next_safe_action,
        b.holders, b.squatters, b.takeover, b.in_flight,
        CASE WHEN b.takeover = 'after_lease' AND b.in_flight >= b.slots THEN b.lease_ends END AS waits_until,
-       b.rate, b.rate_window_used, b.rate_next_start_at, b.group_slots, b.groups_waiting
+       b.rate, b.rate_window_used, b.rate_next_start_at, b.group_slots, b.groups_waiting,
+       b.paused_until, b.paused_by, b.pause_reason
   FROM base b;
 
 -- queue_positions: the position of every queued job of lane p_lane (of every lane if NULL), from one
@@ -268,6 +275,7 @@ END $$;
 CREATE OR REPLACE VIEW pglane.job_status WITH (security_barrier) AS
 SELECT j.id AS job_id, j.lane, j.status, j.created_at, j.run_after, j.started_at, j.finished_at,
        (j.status = 'queued' AND greatest(j.created_at, j.run_after) < now() - l.waiting_grace
+        AND NOT coalesce(c.paused_until > now(), false)  -- it waits for the pause's end (pause.sql)
         AND NOT (l.rate_limit IS NOT NULL AND j.run_after <= now()
                  AND ((SELECT pglane.lanes_next_start()) ->> j.lane) IS NOT NULL)
         AND NOT coalesce(j.cost > l.rate_limit, false)  -- it waits for a person, not a worker
@@ -296,6 +304,10 @@ SELECT j.id AS job_id, j.lane, j.status, j.created_at, j.run_after, j.started_at
                           'and the jobs behind it run; cancel it (pglane cancel %s), or raise the rate '
                           '(pglane lane set %s --rate N/PERIOD) to run it', j.id, j.cost, j.lane,
                           pglane.rate_text(l.rate_limit, l.rate_period), j.id, j.lane)
+               WHEN c.paused_until > greatest(now(), j.run_after) THEN
+                   'nothing to do until lane ' || j.lane || ' resumes: ' ||
+                   (SELECT pglane.pause_note(j.lane, c.paused_until, p.kind, p.paused_by, p.reason, p.attempts)
+                      FROM pglane.lane_pauses p WHERE p.lane_id = l.id)
                WHEN j.run_after > now() THEN format('nothing to do: scheduled to run after %s', j.run_after)
                WHEN CASE WHEN l.group_slots IS NULL THEN false
                          ELSE pglane.group_in_flight(l, j.group_key) >= l.group_slots END THEN
@@ -330,15 +342,19 @@ SELECT j.id AS job_id, j.lane, j.status, j.created_at, j.run_after, j.started_at
                    format('inspect attempt %s: worker lost during the call; retry only if you accept paying again: pglane retry %s',
                           a.id, j.id)
                WHEN 'timed_out' THEN
-                   format('inspect attempt %s: it ran past the lane''s job_timeout; raise the timeout or fix the handler, then: pglane retry %s',
+                   format('inspect attempt %s: it ran past its job_timeout (its own, else the lane''s); raise the timeout or fix the handler, then: pglane retry %s',
                           a.id, j.id)
+               WHEN 'deferred' THEN
+                   format('inspect attempt %s: the provider kept refusing (deferred too many times in a row, nothing '
+                          'paid); once it takes calls again: pglane retry %s', a.id, j.id)
                ELSE format('inspect attempt %s: the handler failed; fix the cause, then: pglane retry %s', a.id, j.id)
            END
            WHEN 'cancelled' THEN format('nothing to do: cancelled (pglane retry %s runs it after all)', j.id)
            ELSE 'nothing to do: done, result stored'
        END AS next_safe_action,
-       j.result, j.enqueued_by, j.group_key, j.priority
+       j.result, j.enqueued_by, j.group_key, j.priority, j.job_timeout
   FROM pglane.jobs j
   JOIN pglane.lanes l ON l.name = j.lane
+  JOIN pglane.lane_counters c ON c.lane_id = l.id
   LEFT JOIN pglane.attempts a ON a.job_id = j.id AND a.attempt_number = j.attempts
  WHERE j.enqueued_by = (SELECT pglane.caller()) OR (SELECT pglane.sees_every_job(current_user));

@@ -102,7 +102,7 @@ def test_every_job_state_has_its_next_safe_action(session: Any, conn: Any, lane:
     holder = hold_slot(session, lane)
     timed = claimed(holder, lane)
     holder.execute("SELECT pglane.fail(%s, 'timed out', true)", (timed["attempt_id"],))
-    assert "ran past the lane's job_timeout" in action(conn, timed["job_id"])
+    assert "ran past its job_timeout (its own, else the lane's)" in action(conn, timed["job_id"])
     pglane.enqueue(conn, lane, {})
     failing = claimed(holder, lane)
     assert failing is not None
