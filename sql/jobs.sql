@@ -431,7 +431,7 @@ BEGIN
     -- requeue_or_fail ends a run of deferrals, as a failure does; this one goes on.
     UPDATE pglane.jobs j SET deferrals_in_row = v_job.deferrals_in_row + 1 WHERE j.id = v_job.id;
     IF v_lane.on_retry_later = 'lane' THEN
-        PERFORM pglane.pause_for(v_lane.id, now() + p_after, 'retry_later', pglane.caller(),
+        PERFORM pglane.pause_for(v_lane.id, NULL, p_after, 'retry_later', pglane.caller(),
                                  format('attempt %s of job %s: %s', p_attempt_id, v_job.id, p_reason),
                                  ARRAY[p_attempt_id]);
     END IF;

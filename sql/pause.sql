@@ -10,32 +10,43 @@
 --   clock: a claim that waited for the lock reads the new row (PostgreSQL re-checks an UPDATE's WHERE
 --   on the newest version of a row it waited for), so no start of the lane follows a pause's commit
 --   before paused_until. 'infinity': until a person resumes it. A pause ended by time needs no writer.
--- - lane_pauses, the record an operator reads (lane_status): since when, by whom, why, and for the
---   breaker which attempts. The latest pause of each lane; resume_lane says who ended it.
+-- - lane_pauses, the record an operator reads (lane_status): since when, until when (NULL: until
+--   resumed; 'infinity' stays inside the counters row, as clients cannot read it as a date), by whom,
+--   why, and for the breaker which attempts. The latest pause of each lane; resume_lane says who
+--   ended it.
 -- A pause never shortens another: the later end wins (a deferral during a person's pause leaves it).
+-- Its start (lane_pauses.paused_at) is the moment it held the counters row: no start of the lane is
+-- recorded from then until paused_until.
 -- Calls in flight when a lane pauses finish normally; their outcomes are stored as usual.
 
--- pause_for: pause lane p_lane_id until p_until (not before a pause already in force ends), recording
--- p_kind ('person', 'retry_later', 'breaker'), p_by, p_reason and p_attempts. No NOTIFY: a slot
--- learns of the pause at its next claim, which answers with the pause's end. Returns that end. Caller: pause_lane, defer and fail (jobs.sql).
-CREATE OR REPLACE FUNCTION pglane.pause_for(p_lane_id integer, p_until timestamptz, p_kind text, p_by text,
-                                            p_reason text, p_attempts bigint[]) RETURNS timestamptz
+-- pause_for: pause lane p_lane_id until p_until, or for p_for from the moment it holds the lane's
+-- counters row (not before a pause already in force ends), recording p_kind ('person',
+-- 'retry_later', 'breaker'), p_by, p_reason and p_attempts. The moment is read after the lock:
+-- every start committed before it was recorded earlier (its take held the lock), none after it
+-- starts before the end. No NOTIFY: a slot learns of the pause at its next claim, which answers with
+-- the pause's end. Returns that end. Caller: pause_lane, defer and breaker_failure; called last in
+-- their transactions (lock order: a job, then the counters row).
+CREATE OR REPLACE FUNCTION pglane.pause_for(p_lane_id integer, p_until timestamptz, p_for interval, p_kind text,
+                                            p_by text, p_reason text, p_attempts bigint[]) RETURNS timestamptz
 LANGUAGE plpgsql AS $$
 DECLARE
+    v_at    timestamptz;
+    v_was   timestamptz;
     v_until timestamptz;
 BEGIN
-    UPDATE pglane.lane_counters c
-       SET paused_until = CASE WHEN c.paused_until > now() THEN greatest(c.paused_until, p_until) ELSE p_until END
-     WHERE c.lane_id = p_lane_id
-    RETURNING c.paused_until INTO v_until;
-    IF v_until = p_until THEN  -- this pause is the one in force: it is the record
-        INSERT INTO pglane.lane_pauses AS p (lane_id, paused_at, paused_until, kind, paused_by, reason, attempts)
-        VALUES (p_lane_id, now(), p_until, p_kind, p_by, left(p_reason, 1000), p_attempts)
-        ON CONFLICT (lane_id) DO UPDATE
-           SET paused_at = excluded.paused_at, paused_until = excluded.paused_until, kind = excluded.kind,
-               paused_by = excluded.paused_by, reason = excluded.reason, attempts = excluded.attempts,
-               resumed_at = NULL, resumed_by = NULL;
+    SELECT c.paused_until INTO v_was FROM pglane.lane_counters c WHERE c.lane_id = p_lane_id FOR UPDATE;
+    v_at := clock_timestamp();
+    v_until := coalesce(p_until, v_at + p_for);
+    IF v_was > v_at AND v_was >= v_until THEN  -- a pause in force ends later: it stays, and its record
+        RETURN v_was;
     END IF;
+    UPDATE pglane.lane_counters c SET paused_until = v_until WHERE c.lane_id = p_lane_id;
+    INSERT INTO pglane.lane_pauses AS p (lane_id, paused_at, paused_until, kind, paused_by, reason, attempts)
+    VALUES (p_lane_id, v_at, nullif(v_until, 'infinity'), p_kind, p_by, left(p_reason, 1000), p_attempts)
+    ON CONFLICT (lane_id) DO UPDATE
+       SET paused_at = excluded.paused_at, paused_until = excluded.paused_until, kind = excluded.kind,
+           paused_by = excluded.paused_by, reason = excluded.reason, attempts = excluded.attempts,
+           resumed_at = NULL, resumed_by = NULL;
     RETURN v_until;
 END $$;
 
@@ -60,7 +71,7 @@ BEGIN
             MESSAGE = format('a pause must end in the future, not at %s (now is %s)', coalesce(p_until::text, 'NULL'), now()),
             HINT = 'give --for DURATION (e.g. 10m), --until a later time, or neither to pause until resumed';
     END IF;
-    v_until := pglane.pause_for(v_lane_id, p_until, 'person', pglane.caller(),
+    v_until := pglane.pause_for(v_lane_id, p_until, NULL, 'person', pglane.caller(),
                                 coalesce(nullif(btrim(p_reason), ''), 'paused by hand, no reason given'), NULL);
     RETURN format('lane %s paused %s: it accepts jobs and starts none; calls in flight finish; resume it with: '
                   'pglane lane resume %s', p_lane,
@@ -108,9 +119,11 @@ $$;
 -- whom and why, and how to resume it.
 CREATE OR REPLACE FUNCTION pglane.pause_note(p_lane text, p_until timestamptz, p_kind text, p_by text,
                                              p_reason text, p_attempts bigint[]) RETURNS text
-LANGUAGE sql STABLE AS $$
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pglane, pg_temp
+AS $$
     SELECT format('paused %s %s: %s%s; it accepts jobs and starts none; resume it now with: pglane lane resume %s',
-                  CASE WHEN p_until = 'infinity' THEN 'until resumed' ELSE 'until ' || p_until END,
+                  CASE WHEN p_until IS NULL OR p_until = 'infinity' THEN 'until resumed' ELSE 'until ' || p_until END,
                   CASE p_kind WHEN 'breaker' THEN 'by the breaker'
                               WHEN 'retry_later' THEN 'by a handler''s RetryLater (on_retry_later lane)'
                               ELSE 'by ' || coalesce(p_by, 'a person') END,
@@ -142,7 +155,7 @@ BEGIN
      WHERE c.lane_id = v_lane.id
     RETURNING c.failures_in_row, c.failed_attempts, c.paused_until INTO v_run;
     IF v_run.failures_in_row >= v_lane.pause_after_failures AND NOT coalesce(v_run.paused_until = 'infinity', false) THEN
-        PERFORM pglane.pause_for(v_lane.id, 'infinity', 'breaker', pglane.caller(),
+        PERFORM pglane.pause_for(v_lane.id, 'infinity', NULL, 'breaker', pglane.caller(),
                                  format('%s failed attempts in a row (--pause-after-failures %s); the last: %s',
                                         v_run.failures_in_row, v_lane.pause_after_failures, left(p_error, 500)),
                                  v_run.failed_attempts);

@@ -161,7 +161,8 @@ WITH running AS (
            l.takeover, x.in_flight, x.lost_attempt, x.lease_ends,
            pglane.rate_text(l.rate_limit, l.rate_period) AS rate, x.rate_window_used, x.rate_next_start_at,
            l.group_slots, x.groups_waiting,
-           pz.paused_until, pz.kind AS pause_kind, pz.paused_by, pz.reason AS pause_reason, pz.attempts AS pause_attempts
+           pz.paused_until AS pause_end, pz.kind AS pause_kind, pz.paused_by, pz.reason AS pause_reason,
+           pz.attempts AS pause_attempts
       FROM pglane.lanes l
      CROSS JOIN LATERAL pglane.lane_queue(l.name) q
      CROSS JOIN LATERAL (SELECT coalesce(sum(t.jobs), 0)::bigint AS jobs, coalesce(sum(t.failed), 0)::bigint AS failed,
@@ -193,8 +194,8 @@ SELECT b.lane, b.slots, b.consumers, b.queued, b.running, b.done, b.failed, b.ca
                       '(pglane jobs --lane %s --status running); end them with: pglane recover %s --terminate-stuck',
                       b.stuck, b.lane, b.lane)
            WHEN b.squatters > 0 THEN b.squatter_action
-           WHEN b.paused_until IS NOT NULL THEN
-               pglane.pause_note(b.lane, b.paused_until, b.pause_kind, b.paused_by, b.pause_reason, b.pause_attempts)
+           WHEN b.pause_end IS NOT NULL THEN
+               pglane.pause_note(b.lane, b.pause_end, b.pause_kind, b.paused_by, b.pause_reason, b.pause_attempts)
            WHEN b.takeover = 'after_lease' AND b.in_flight >= b.slots AND b.lost_attempt IS NOT NULL AND b.queued > 0 THEN
                pglane.lease_wait_note(b.lane, b.lost_attempt, b.lease_ends)
            WHEN b.consumers = 0 AND b.queued > 0 THEN
@@ -214,7 +215,8 @@ SELECT b.lane, b.slots, b.consumers, b.queued, b.running, b.done, b.failed, b.ca
        b.holders, b.squatters, b.takeover, b.in_flight,
        CASE WHEN b.takeover = 'after_lease' AND b.in_flight >= b.slots THEN b.lease_ends END AS waits_until,
        b.rate, b.rate_window_used, b.rate_next_start_at, b.group_slots, b.groups_waiting,
-       b.paused_until, b.paused_by, b.pause_reason
+       b.pause_end IS NOT NULL AS paused, nullif(b.pause_end, 'infinity') AS paused_until,  -- NULL: until resumed
+       b.paused_by, b.pause_reason
   FROM base b;
 
 -- queue_positions: the position of every queued job of lane p_lane (of every lane if NULL), from one

@@ -13,7 +13,7 @@ import signal
 import time
 from typing import Any
 
-from pglane import Job
+from pglane import Job, RetryLater
 
 LEDGER_ENV = "PGLANE_TEST_LEDGER"  # the ledger file's path, set by tests.conftest.Workers
 
@@ -120,3 +120,14 @@ def hostile(job: Job) -> Any:
     if "chars" in payload:
         return "y" * int(payload["chars"])
     return payload.get("result")
+
+
+def provider(job: Job) -> Any:
+    """The fake paid provider that pushes back: {"refuse": n, "after": s, "reason": r} refuses the job's
+    first n attempts before any paid work (ledger "refused", then RetryLater), then calls as paid_call."""
+    payload = job.payload if isinstance(job.payload, dict) else {}
+    if job.attempt_number <= int(payload.get("refuse", 0)):
+        _record("refused", job)
+        reason = str(payload.get("reason", "429 Too Many Requests"))
+        raise RetryLater(after=float(payload.get("after", 0)), reason=reason)
+    return paid_call(job)

@@ -82,7 +82,8 @@ def test_each_revision_applies_only_the_files_it_changes_and_freezes_only_their_
 # sql/'s files in dependency order: a file's views and SQL-language functions use only objects of the
 # files before it (and the revisions' tables and types). A new file goes in its place here.
 SQL_ORDER = ("lanes.sql", "slots.sql", "sessions.sql", "queue_bound.sql", "rate.sql", "strict.sql", "groups.sql",
-             "pause.sql", "jobs.sql", "claim.sql", "recover.sql", "history.sql", "tallies.sql", "views.sql", "wait.sql", "roles.sql")
+             "pause.sql", "jobs.sql", "claim.sql", "recover.sql", "history.sql", "tallies.sql", "views.sql", "wait.sql",
+             "roles.sql")
 
 DROP_CODE = """
 DO $$

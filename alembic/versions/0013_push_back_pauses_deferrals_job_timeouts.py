@@ -61,7 +61,7 @@ BEFORE = """
     CREATE TABLE pglane.lane_pauses (
         lane_id      integer     PRIMARY KEY REFERENCES pglane.lanes (id) ON DELETE CASCADE,
         paused_at    timestamptz NOT NULL,
-        paused_until timestamptz NOT NULL,
+        paused_until timestamptz,  -- NULL: until a person resumes it
         kind         text        NOT NULL CONSTRAINT lane_pause_kind_valid
                                  CHECK (kind IN ('person', 'retry_later', 'breaker')),
         paused_by    text,
@@ -79,7 +79,7 @@ UNDO = """
     DROP VIEW pglane.job_status, pglane.lane_status;
     DROP FUNCTION pglane.enqueue(text, jsonb, text, timestamptz, text, integer, text, integer, interval);
     DROP FUNCTION pglane.defer(bigint, interval, text, uuid), pglane.deferrals(bigint),
-        pglane.pause_for(integer, timestamptz, text, text, text, bigint[]),
+        pglane.pause_for(integer, timestamptz, interval, text, text, text, bigint[]),
         pglane.pause_lane(text, timestamptz, text), pglane.resume_lane(text), pglane.pause_wait(integer),
         pglane.pause_note(text, timestamptz, text, text, text, bigint[]),
         pglane.breaker_failure(text, bigint, text), pglane.breaker_success(text);
