@@ -2,7 +2,8 @@
 
 The attempt ends ``deferred`` (pglane.defer, sql/jobs.sql): the job is queued again to run ``after``
 seconds later, the deferral does not count toward the lane's max_attempts, and on a lane whose
-on_retry_later is ``lane`` (the default) the whole lane pauses until then (docs/design.md#push-back).
+on_retry_later is ``lane`` (the default) the whole lane pauses until then
+(docs/design.md#push-back-pauses-deferrals-and-the-breaker).
 
 The database cannot see whether a provider charged: it takes the handler's word. Raise RetryLater
 only when the provider said the call was refused (HTTP 429 or 503 before any work) — never after a

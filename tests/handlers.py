@@ -131,3 +131,13 @@ def provider(job: Job) -> Any:
         reason = str(payload.get("reason", "429 Too Many Requests"))
         raise RetryLater(after=float(payload.get("after", 0)), reason=reason)
     return paid_call(job)
+
+
+async def async_provider(job: Job) -> Any:
+    """provider, as an async handler: RetryLater raised from a coroutine."""
+    payload = job.payload if isinstance(job.payload, dict) else {}
+    if job.attempt_number <= int(payload.get("refuse", 0)):
+        _record("refused", job)
+        await asyncio.sleep(0)
+        raise RetryLater(after=float(payload.get("after", 0)), reason=str(payload.get("reason", "429")))
+    return await async_paid_call(job)

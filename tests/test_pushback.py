@@ -12,7 +12,7 @@ import psycopg
 import pytest
 
 import pglane
-from tests.conftest import Ledger, Workers, claim, claimed, slot_holder, take_slot, wait_until
+from tests.conftest import Ledger, Workers, claim, claimed, metrics_port, scrape, slot_holder, take_slot, wait_until
 
 
 def _attempts(conn: Any, job_id: int) -> list[str]:
@@ -60,11 +60,12 @@ def test_a_deferral_pauses_the_whole_lane_and_the_job_runs_afterwards_without_sp
     assert ledger.calls().count(refused) == 1
 
 
+@pytest.mark.parametrize("handler", ["tests.handlers:provider", "tests.handlers:async_provider"])
 def test_a_job_deferred_past_max_deferrals_fails_saying_why_and_only_the_job_waits_on_a_job_lane(
-        conn: Any, workers: Workers, ledger: Ledger) -> None:
+        conn: Any, workers: Workers, ledger: Ledger, handler: str) -> None:
     pglane.create_lane(conn, "paid", job_timeout=30, max_deferrals=3, on_retry_later="job")
     job = pglane.enqueue(conn, "paid", {"refuse": 100, "after": 0, "reason": "503 Service Unavailable"})
-    workers.start("paid", "tests.handlers:provider")
+    workers.start("paid", handler)
     wait_until(lambda: _status(conn, job) == "failed", 30, "the job to fail")
     assert _attempts(conn, job) == ["deferred"] * 4  # the 4th deferral is past --max-deferrals 3
     status = pglane.job_status(conn, job)
@@ -110,30 +111,41 @@ def test_a_bad_deferral_is_refused_with_what_to_do_and_the_attempt_stays_running
     s = session()
     take_slot(s, "paid")
     row = claimed(s, "paid")
-    for after in ("-1 s", "8 days"):
+    for interval in ("-1 s", "8 days"):
         with pytest.raises(psycopg.Error) as err:
-            s.execute("SELECT pglane.defer(%s, %s::interval, 'x', %s)", (row["attempt_id"], after, row["token"]))
+            s.execute("SELECT pglane.defer(%s, %s::interval, 'x', %s)", (row["attempt_id"], interval, row["token"]))
         assert "0 seconds to 7 days" in str(err.value) and "pause" in (err.value.diag.message_hint or "")
     assert _attempts(conn, row["job_id"]) == ["running"]
-    for after in (-1, float("nan"), 8 * 24 * 3600, True):
+    for seconds in (-1, float("nan"), 8 * 24 * 3600, True):
         with pytest.raises(ValueError, match="0 to 604800"):
-            pglane.RetryLater(after=after)
+            pglane.RetryLater(after=seconds)
 
 
 def test_a_paused_lane_starts_nothing_until_resumed_and_its_sleeping_workers_start_within_a_second(
         conn: Any, workers: Workers) -> None:
     pglane.create_lane(conn, "paid", slots=3, job_timeout=30)
-    for _ in range(3):
+    watched = workers.start("paid", "tests.handlers:paid_call", "--poll-interval", "30", "--metrics-port", "0")
+    for _ in range(2):
         workers.start("paid", "tests.handlers:paid_call", "--poll-interval", "30")
     wait_until(lambda: len(slot_holder(conn, "paid")) == 3, 30, "three workers holding the three slots")
+    port = metrics_port(watched)
+
+    def claims() -> float:
+        return scrape(port, "paid").get("pglane_claim_latency_seconds_count", 0.0)
+
+    before = wait_until(claims, 20, "the watched worker's first claim")
     note = pglane.pause_lane(conn, "paid", reason="provider maintenance")
     assert "paused until resumed" in note and "pglane lane resume paid" in note
-    jobs = [pglane.enqueue(conn, "paid", {}) for _ in range(6)]
-    # Each worker is woken by the enqueues, claims and is told the lane is paused until resumed.
+    jobs = []
+    for _ in range(6):  # one at a time: each enqueue's NOTIFY wakes every worker
+        jobs.append(pglane.enqueue(conn, "paid", {}))
+        time.sleep(0.1)
+    # Each worker claims once, is told the lane is paused until resumed, and sleeps through the rest.
     watch_until = time.monotonic() + 1.5  # an absence is observed over a window: 1.5 s of it
     while time.monotonic() < watch_until:
         assert conn.execute("SELECT count(*) AS n FROM pglane.attempts").fetchone()["n"] == 0
         time.sleep(0.05)
+    assert claims() - before <= 2, f"{claims() - before} claims while paused for 6 enqueues: polling churn"
     status = _lane_row(conn, "paid")
     assert status["paused"] and status["paused_until"] is None  # until resumed
     assert status["pause_reason"] == "provider maintenance"
