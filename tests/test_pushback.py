@@ -65,8 +65,10 @@ def test_a_job_deferred_past_max_deferrals_fails_saying_why_and_only_the_job_wai
         conn: Any, workers: Workers, ledger: Ledger, handler: str) -> None:
     pglane.create_lane(conn, "paid", job_timeout=30, max_deferrals=3, on_retry_later="job")
     job = pglane.enqueue(conn, "paid", {"refuse": 100, "after": 0, "reason": "503 Service Unavailable"})
-    workers.start("paid", handler)
+    port = metrics_port(workers.start("paid", handler, "--metrics-port", "0"))
     wait_until(lambda: _status(conn, job) == "failed", 30, "the job to fail")
+    counted = scrape(port, "paid")
+    assert counted["pglane_jobs_deferred_total"] == 4 and counted["pglane_jobs_failed_total"] == 0
     assert _attempts(conn, job) == ["deferred"] * 4  # the 4th deferral is past --max-deferrals 3
     status = pglane.job_status(conn, job)
     assert "deferred 4 times in a row" in status["last_error"] and "--max-deferrals 3" in status["last_error"]
