@@ -9,6 +9,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -33,6 +34,12 @@ KEY_RETENTION_HELP = ("how long a pruned job's idempotency key is remembered: th
                       "job's id (exit 6), never a second paid call")
 GROUP_SLOTS_HELP = ("at most N jobs of one group (a job's --group) run at once, cluster-wide; a job whose group is "
                     "full is passed over for another group's")
+MAX_DEFERRALS_HELP = ("a job whose handler raises RetryLater (nothing paid) this many times in a row fails instead, "
+                      "saying so (0..10000)")
+ON_RETRY_LATER_HELP = ("what a handler's RetryLater holds back: lane, the whole lane (paused until the time it "
+                       "asked), or job, that job only")
+PAUSE_AFTER_FAILURES_HELP = ("the breaker: after K failed or timed-out attempts in a row the lane pauses until a "
+                             "person resumes it (pglane lane resume)")
 LANE_NAME_RULE = "a lowercase letter, then up to 47 lowercase letters, digits, '_' or '-'"
 
 EPILOG = """durations: a number and a unit, or several: 250ms, 90s, 10m, 1h30m, 7d (a bare number is seconds,
@@ -103,6 +110,16 @@ def _age(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _moment(text: str) -> datetime:
+    """lane pause --until: an ISO-8601 time; without a UTC offset, this machine's local time."""
+    try:
+        moment = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an ISO-8601 time, e.g. 2026-12-06T15:30:00Z or '2026-12-06 15:30+01:00'") from None
+    return moment if moment.tzinfo is not None else moment.astimezone()
+
+
 def _lane_name(text: str) -> str:
     import re
 
@@ -157,8 +174,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _lane_commands(command: Callable[..., argparse.ArgumentParser]) -> Any:
-    """lane create|set|list|show|delete; returns the lane subcommands' parsers."""
-    lane = command("lane", "manage lanes: create, set, list, show, delete", json_flag=False).add_subparsers(
+    """lane create|set|list|show|delete|pause|resume; returns the lane subcommands' parsers."""
+    lane = command("lane", "manage lanes: create, set, list, show, delete, pause, resume",
+                   json_flag=False).add_subparsers(
         dest="lane_command", required=True, metavar="LANE_COMMAND", help="what to do with lanes")
     create = command("create", "create a lane; prints its settings", lane)
     create.add_argument("name", type=_lane_name, help=f"the lane's name: {LANE_NAME_RULE}")
@@ -184,6 +202,10 @@ def _lane_commands(command: Callable[..., argparse.ArgumentParser]) -> Any:
     create.add_argument("--rate", help=RATE_HELP + " (default: unlimited)")
     create.add_argument("--key-retention", type=_duration0, default="30d", help=KEY_RETENTION_HELP)
     create.add_argument("--group-slots", type=_count_or_none, help=GROUP_SLOTS_HELP + " (default: none)")
+    create.add_argument("--max-deferrals", type=int, default=20, help=MAX_DEFERRALS_HELP)
+    create.add_argument("--on-retry-later", choices=("job", "lane"), default="lane", help=ON_RETRY_LATER_HELP)
+    create.add_argument("--pause-after-failures", type=_count_or_none, metavar="K",
+                        help=PAUSE_AFTER_FAILURES_HELP + " (default: none, no breaker)")
     change = command("set", "change a lane while its workers run (each setting from its next use)", lane)
     change.add_argument("name", help="the lane to change")
     change.add_argument("--slots", type=int, help="consumer slots, cluster-wide")
@@ -201,6 +223,10 @@ def _lane_commands(command: Callable[..., argparse.ArgumentParser]) -> Any:
     change.add_argument("--key-retention", type=_duration0, help=KEY_RETENTION_HELP)
     change.add_argument("--group-slots", type=_count_or_none, default=argparse.SUPPRESS,
                         help=GROUP_SLOTS_HELP + "; none removes it")
+    change.add_argument("--max-deferrals", type=int, help=MAX_DEFERRALS_HELP)
+    change.add_argument("--on-retry-later", choices=("job", "lane"), help=ON_RETRY_LATER_HELP)
+    change.add_argument("--pause-after-failures", type=_count_or_none, default=argparse.SUPPRESS, metavar="K",
+                        help=PAUSE_AFTER_FAILURES_HELP + "; none removes it")
     command("list", "every lane and its settings", lane)
     shown = command("show", "one lane: its settings, what it holds now and the next safe action", lane)
     shown.add_argument("name", help="the lane to show")
@@ -208,6 +234,19 @@ def _lane_commands(command: Callable[..., argparse.ArgumentParser]) -> Any:
     gone.add_argument("name", help="the lane to delete")
     gone.add_argument("--force", action="store_true",
                       help="delete it even while it has queued or running jobs (says how many it drops)")
+    held = command("pause", "pause a lane: it accepts jobs and starts none (calls in flight finish), until "
+                   "resumed, for a while (--for) or until a time (--until)", lane)
+    held.add_argument("name", help="the lane to pause")
+    end = held.add_mutually_exclusive_group()
+    end.add_argument("--for", dest="for_seconds", type=_seconds, metavar="DURATION",
+                     help="pause this long: 30s, 10m, 2h (a bare number is seconds)")
+    end.add_argument("--until", type=_moment, metavar="TIME",
+                     help="pause until this ISO-8601 time, e.g. 2026-12-06T15:30:00Z (without an offset: this "
+                     "machine's local time)")
+    held.add_argument("--reason", help="why, shown with the pause by status, lane show and the page")
+    back = command("resume", "end a lane's pause now, whatever paused it (a person, RetryLater, the breaker); "
+                   "its workers start jobs at once", lane)
+    back.add_argument("name", help="the lane to resume")
     return lane
 
 
@@ -221,6 +260,8 @@ def _work_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
     enq.add_argument("--group", help="the tenant the job belongs to (at most 255 characters): the lane's "
                      "--group-slots limits each group, and groups are served in turn")
     enq.add_argument("--priority", type=int, default=0, help="a higher priority starts first (default 0)")
+    enq.add_argument("--job-timeout", type=_seconds,
+                     help="this job's own call timeout, at most its lane's --job-timeout (default: the lane's)")
     enq.add_argument("--if-full", choices=("error", "skip"), default="error",
                      help="on a full bounded lane: an error, or skip: exit 3, nothing written, no ERROR in the "
                      "server's log")
@@ -313,8 +354,8 @@ def _local_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
     web.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1: this machine only)")
     web.add_argument("--port", type=int, default=8080, help="port to listen on (0: a free one, logged)")
     web.add_argument("--allow-actions", action="store_true",
-                     help="allow retry, cancel, recover and ending stuck sessions, each confirmed with the token "
-                     "from $PGLANE_WEB_TOKEN or --token-file")
+                     help="allow retry, cancel, recover, resuming a paused lane and ending stuck sessions, each "
+                     "confirmed with the token from $PGLANE_WEB_TOKEN or --token-file")
     web.add_argument("--token-file", help="a file whose first line is the action token")
     web.add_argument("--root-path", help="the path prefix a reverse proxy serves the page under, e.g. /pglane")
     web.add_argument("--allowed-host", action="append", dest="allowed_host", metavar="NAME[:PORT]",
@@ -467,7 +508,8 @@ def _command(conn: Any, args: argparse.Namespace) -> int:
     cmd = args.command
     if cmd == "lane":
         run = {"create": cli_lanes.create, "set": cli_lanes.change, "list": cli_lanes.listing,
-               "show": cli_lanes.show, "delete": cli_lanes.delete}[args.lane_command]
+               "show": cli_lanes.show, "delete": cli_lanes.delete, "pause": cli_lanes.pause,
+               "resume": cli_lanes.resume}[args.lane_command]
         return run(conn, args)
     if cmd == "enqueue":
         return _enqueue(conn, args)
@@ -478,7 +520,8 @@ def _command(conn: Any, args: argparse.Namespace) -> int:
             f"lane {args.groups} has no queued or running jobs")
     elif cmd == "status":
         rows = client.lane_status(conn)
-        print(to_json(rows) if args.json else table(rows, (
+        shown = [{**r, "lane": f"{r['lane']} PAUSED" if r["paused"] else r["lane"]} for r in rows]
+        print(to_json(rows) if args.json else table(shown, (
             "lane", "slots", "consumers", "queued", "running", "done", "failed", "cancelled",
             "oldest_queued_age", "next_safe_action")) if rows else "no lanes yet: pglane lane create NAME")
     elif cmd == "jobs":
@@ -512,7 +555,7 @@ def _enqueue(conn: Any, args: argparse.Namespace) -> int:
         raise ConfigurationError("--timeout is how long --wait waits: add --wait, or drop --timeout")
     try:
         job = client.enqueue(conn, args.lane, args.payload, key=args.key, if_full=args.if_full, cost=args.cost,
-                             group=args.group, priority=args.priority)
+                             group=args.group, priority=args.priority, job_timeout=args.job_timeout)
     except JobPruned as exc:  # the request was served once: never paid for again by a repeated key
         if args.json:
             print(to_json({"job_id": exc.job_id, "pruned": True}))

@@ -1,4 +1,4 @@
-"""`pglane lane create|set|list|show|delete`: a lane's settings under their command-line names.
+"""`pglane lane create|set|list|show|delete|pause|resume`: a lane's settings under their command-line names.
 
 Settings are printed as the options that set them (``--job-timeout 10m``, ``--takeover after-lease``),
 never as the database's column names; durations in the units the options take.
@@ -7,7 +7,7 @@ never as the database's column names; durations in the units the options take.
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, LiteralString
 
 import psycopg
 from psycopg.rows import dict_row
@@ -26,15 +26,25 @@ SETTINGS = (
     ("max-result-bytes", "max_result_bytes", "count"), ("max-payload-bytes", "max_payload_bytes", "count"),
     ("waiting-grace", "waiting_grace", "duration"), ("retry-backoff", "retry_backoff", "duration"),
     ("key-retention", "key_retention", "duration"), ("group-slots", "group_slots", "count"),
+    ("max-deferrals", "max_deferrals", "count"), ("on-retry-later", "on_retry_later", "text"),
+    ("pause-after-failures", "pause_after_failures", "count"),
+)
+# The push-back settings (revision 0013), which queries.LANE_SETTINGS does not read: merged by name.
+PUSH_BACK_SETTINGS: LiteralString = (
+    "SELECT name, max_deferrals, on_retry_later, pause_after_failures FROM pglane.lanes"
+    " WHERE %(name)s::text IS NULL OR name = %(name)s"
 )
 _PERIODS = {1.0: "s", 60.0: "min", 3600.0: "h", 86400.0: "d"}
 
 
 def settings(conn: psycopg.Connection[Any], name: str | None = None) -> list[Row]:
     """Every lane's settings (or the one named), keyed by option name, JSON-ready (seconds as numbers)."""
-    rows = conn.cursor(row_factory=dict_row).execute(queries.LANE_SETTINGS, {"name": name}, prepare=False).fetchall()
+    cur = conn.cursor(row_factory=dict_row)
+    rows = cur.execute(queries.LANE_SETTINGS, {"name": name}, prepare=False).fetchall()
+    push_back = {r["name"]: r for r in cur.execute(PUSH_BACK_SETTINGS, {"name": name}, prepare=False).fetchall()}
     out = []
     for r in rows:
+        r.update(push_back.get(r["name"], {}))
         limit, period = r.pop("rate_limit"), r.pop("rate_period")
         r["rate"] = None if limit is None else f"{limit}/{_PERIODS.get(period, format_seconds(period))}"
         r["created_at"] = r["created_at"].isoformat()
@@ -67,24 +77,25 @@ def create(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
                        max_queued=args.max_queued, max_result_bytes=args.max_result_bytes,
                        waiting_grace=args.waiting_grace, retry_backoff=args.retry_backoff,
                        takeover=args.takeover.replace("-", "_"), rate=args.rate, key_retention=args.key_retention,
-                       group_slots=args.group_slots)
+                       group_slots=args.group_slots, max_deferrals=args.max_deferrals,
+                       on_retry_later=args.on_retry_later, pause_after_failures=args.pause_after_failures)
     lane = one(conn, args.name)
     print(to_json(lane) if args.json else f"lane {args.name} created:\n{settings_text(lane)}")
     return 0
 
 
 def changes(args: argparse.Namespace) -> dict[str, Any]:
-    """The settings `lane set` was given, as set_lane names them (a given 'none' removes max_queued or
-    the rate, or group_slots)."""
+    """The settings `lane set` was given, as set_lane names them (a given 'none' removes max_queued,
+    the rate, group_slots or pause_after_failures)."""
     found = {name: getattr(args, name) for name in ("slots", "job_timeout", "lease_timeout", "max_attempts",
                                                     "max_result_bytes", "waiting_grace", "retry_backoff",
-                                                    "key_retention")
+                                                    "key_retention", "max_deferrals", "on_retry_later")
              if getattr(args, name) is not None}
     if args.takeover is not None:
         found["takeover"] = args.takeover.replace("-", "_")
     if args.rate is not None:
         found["rate"] = None if args.rate.strip().lower() == "none" else args.rate
-    for name in ("max_queued", "group_slots"):  # absent unless given; given none, it is None
+    for name in ("max_queued", "group_slots", "pause_after_failures"):  # absent unless given; given none, None
         if hasattr(args, name):
             found[name] = getattr(args, name)
     if not found:
@@ -141,7 +152,7 @@ def listing(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
 
 def show(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
     lane = one(conn, args.name)
-    status = next((r for r in client.lane_status(conn) if r["lane"] == args.name), {})
+    status = _status_of(conn, args.name)
     if args.json:
         print(to_json({"lane": args.name, "settings": lane, "status": status,
                        "next_safe_action": status.get("next_safe_action")}))
@@ -149,6 +160,8 @@ def show(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
     counts = ", ".join(f"{k} {status.get(k, 0)}" for k in ("consumers", "queued", "running", "done", "failed",
                                                            "cancelled"))
     print(f"lane {args.name} (created {lane['created_at']})\n{settings_text(lane)}\n\nnow: {counts}")
+    if status.get("paused"):
+        print(f"PAUSED {pause_end(status['paused_until'])}: {status['pause_reason'] or 'no reason given'}")
     print(f"next safe action: {status.get('next_safe_action') or '-'}")
     return 0
 
@@ -174,4 +187,33 @@ def delete(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
         cur.execute(queries.DELETE_LANE, (args.name,), prepare=False)
     print(to_json({"lane": args.name, "deleted": True, **counts}) if args.json else
           f"lane {args.name} deleted, with {what}")
+    return 0
+
+
+def pause_end(until: Any) -> str:
+    """A pause's end as a person reads it (lane_status's paused_until: NULL while paused until resumed)."""
+    return "until resumed" if until is None else f"until {until}"
+
+
+def _status_of(conn: psycopg.Connection[Any], name: str) -> Row:
+    return next((r for r in client.lane_status(conn) if r["lane"] == name), {})
+
+
+def pause(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
+    """Pause a lane for --for, until --until, or (neither) until resumed; prints what pause_lane said."""
+    note = client.pause_lane(conn, args.name, for_seconds=args.for_seconds, until=args.until, reason=args.reason)
+    return _paused_or_resumed(conn, args, note)
+
+
+def resume(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
+    return _paused_or_resumed(conn, args, client.resume_lane(conn, args.name))
+
+
+def _paused_or_resumed(conn: psycopg.Connection[Any], args: argparse.Namespace, note: str) -> int:
+    if args.json:
+        status = _status_of(conn, args.name)
+        print(to_json({"lane": args.name, "note": note,
+                       **{k: status.get(k) for k in ("paused", "paused_until", "paused_by", "pause_reason")}}))
+    else:
+        print(note)
     return 0
