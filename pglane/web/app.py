@@ -2,7 +2,7 @@
 
 Reads go through psycopg_pool's AsyncConnectionPool, opened with the application and closed with it;
 they use the views and statements the CLI uses (pglane.queries) and the page's own (pglane.web.queries).
-Actions (retry, cancel, recover, end stuck sessions) run pglane.client's own functions on a
+Actions (retry, cancel, recover, resume a paused lane, end stuck sessions) run pglane.client's own functions on a
 connection of their own in a thread: the same statements, the same waits, the same errors as the CLI.
 
 Invariants (pglane.web.security has the rest): a GET reads only; every value from the database
@@ -85,6 +85,12 @@ ACTIONS: dict[str, dict[str, str]] = {
                 "fail, or go back to the queue on a lane that allows more attempts, which makes the paid call "
                 "again. A call such a worker started may already have been paid.",
     },
+    "resume": {
+        "target": "lane", "button": "Resume lane {t}",
+        "cost": "Resume ends lane {t}'s pause now, whatever paused it (a person, a handler's RetryLater, the "
+                "breaker after failures in a row): its workers start its queued jobs at once, and each start may "
+                "be a paid call. If what the pause waited for is not over, they may fail or be refused again.",
+    },
     "end-stuck": {
         "target": "lane", "button": "End the stuck sessions of lane {t}",
         "cost": "This ends the database sessions of lane {t}'s workers that run past their lease "
@@ -96,6 +102,11 @@ ACTIONS: dict[str, dict[str, str]] = {
 
 def _when(value: datetime | None) -> str:
     return "-" if value is None else value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _pause_end(value: datetime | None) -> str:
+    """lane_status's paused_until of a paused lane: NULL while it is paused until a person resumes it."""
+    return "until resumed" if value is None else f"until {_when(value)}"
 
 
 def _minute(value: datetime | None) -> str:
@@ -124,7 +135,7 @@ def _shown(value: Any) -> str:
 def _templates() -> Jinja2Templates:
     env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(default=True),
                       trim_blocks=True, lstrip_blocks=True)
-    env.filters.update(when=_when, minute=_minute, duration=_duration, shown=_shown)
+    env.filters.update(when=_when, minute=_minute, duration=_duration, shown=_shown, pause_end=_pause_end)
     env.globals["url_for"] = _path_for  # before Jinja2Templates, which would set Starlette's absolute one
     return Jinja2Templates(env=env)
 
@@ -338,7 +349,7 @@ class Page:
     def _target(self, action: str, value: str | None) -> str:
         """The action's target as text (a job id or a lane name); 400 for anything else."""
         if action not in ACTIONS:
-            raise HTTPException(404, f"no action {action!r}: retry, cancel, recover and end-stuck exist")
+            raise HTTPException(404, f"no action {action!r}: retry, cancel, recover, resume and end-stuck exist")
         kind = ACTIONS[action]["target"]
         value = (value or "").strip()
         if kind == "job" and value.isdigit() and len(value) <= 18:
@@ -353,18 +364,23 @@ class Page:
         target = self._target(action, request.query_params.get(ACTIONS.get(action, {}).get("target", "job")))
         if not self.guard.actions_allowed:
             raise HTTPException(403, "this page is read-only: start it with --allow-actions and a token")
-        job = None
+        job = lane = None
         if ACTIONS[action]["target"] == "job":
             found = await self.rows(queries.JOB_STATUS, (int(target),))
             if not found:
                 raise HTTPException(404, f"no job {target}: it never existed, or it was pruned")
             job = found[0]
+        elif action == "resume":  # what is resumed: the pause, its end and why
+            found = await self.rows(web_queries.LANE_ONE, (target,))
+            if not found:
+                raise HTTPException(404, f"no lane {target}: list the lanes with: pglane lane list")
+            lane = found[0]
         cookie = request.cookies.get(CSRF_COOKIE) or self.guard.new_cookie()
         spec = ACTIONS[action]
         response = self.templates.TemplateResponse(request, "confirm.html", {
             "actions": True, "page": "confirm", "action": action, "target": target, "kind": spec["target"],
             "cost": spec["cost"].format(t=target), "button": spec["button"].format(t=target), "job": job,
-            "csrf": self.guard.csrf_field(cookie, action, target)})
+            "lane": lane, "csrf": self.guard.csrf_field(cookie, action, target)})
         if request.cookies.get(CSRF_COOKIE) != cookie:
             response.set_cookie(CSRF_COOKIE, cookie, httponly=True, samesite="strict", path="/")
         return response
@@ -513,6 +529,8 @@ def _run_action(dsn: str, action: str, target: str) -> str:
         if action == "cancel":
             client.cancel(conn, int(target))
             return f"job {target} is cancelled: it will not run"
+        if action == "resume":
+            return client.resume_lane(conn, target)
         ended = client.terminate_stuck(conn, target) if action == "end-stuck" else 0
         marked = client.recover(conn, target)
         stuck = len(client.stuck_attempts(conn, target))
