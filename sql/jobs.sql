@@ -263,23 +263,28 @@ DECLARE
     v_late   record;
     v_proof  boolean;
     v_lane   text;
+    v_breaker boolean;  -- the lane has one (pause.sql)
 BEGIN
     -- The usual case: the job is running and this is its latest attempt. The UPDATE takes the job's
     -- row lock and, had it to wait, re-checks the guard on the newest row version (the attempt's
     -- job_id and attempt_number never change). A running job's latest attempt is running (every
     -- transition of that attempt moves the job too).
+    -- The lane's row tells whether it has a breaker (pause.sql), whose run of failures a success ends.
     UPDATE pglane.jobs j SET status = 'done', finished_at = now(), result = p_result
-      FROM pglane.attempts a
+      FROM pglane.attempts a, pglane.lanes l
      WHERE a.id = p_attempt_id AND j.id = a.job_id AND j.status = 'running' AND j.attempts = a.attempt_number
        AND (a.token = p_token OR pglane.may_write(p_token, a.token, a.backend_pid, a.backend_start, a.session_mark))
-    RETURNING j.lane INTO v_lane;
+       AND l.name = j.lane
+    RETURNING j.lane, l.pause_after_failures IS NOT NULL INTO v_lane, v_breaker;
     IF FOUND THEN
         UPDATE pglane.attempts a SET status = 'done', finished_at = now()
          WHERE a.id = p_attempt_id AND a.status = 'running';
         IF NOT FOUND THEN
             RAISE EXCEPTION 'pglane invariant broken: a running job''s latest attempt % is finished', p_attempt_id;
         END IF;
-        PERFORM pglane.breaker_success(v_lane);
+        IF v_breaker THEN
+            PERFORM pglane.breaker_success(v_lane);
+        END IF;
         RETURN true;
     END IF;
 

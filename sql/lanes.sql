@@ -230,6 +230,9 @@ BEGIN
            group_slots = v_new.group_slots, max_deferrals = v_new.max_deferrals,
            on_retry_later = v_new.on_retry_later, pause_after_failures = v_new.pause_after_failures
      WHERE l.id = v_old.id;
+    IF v_new.pause_after_failures IS DISTINCT FROM v_old.pause_after_failures THEN  -- a new breaker counts anew
+        UPDATE pglane.lane_counters c SET failures_in_row = 0, failed_attempts = NULL WHERE c.lane_id = v_old.id;
+    END IF;
     -- Wake the lane's workers: one sleeping until a rate allows a start may start sooner now.
     PERFORM pglane.notify('pglane_' || v_old.id, 'settings');
     RETURN format('lane %s changed: %s%s', p_lane, coalesce(

@@ -136,7 +136,9 @@ $$;
 -- timed out: calls that may have been paid; not deferrals, not cancellations, not lost attempts,
 -- which recovery explains), the lane pauses until a person resumes it, saying why and which attempts.
 -- The count is lane_counters.failures_in_row and the attempts failed_attempts (the last K); a success
--- (complete) or a resume sets it back to none. A lane without a breaker never counts.
+-- (complete), a resume or a change of the lane's breaker sets it back to none. A lane without a
+-- breaker never counts, and its completions never look (complete_impl reads the setting in the
+-- UPDATE it makes anyway).
 
 -- breaker_failure: attempt p_attempt_id of lane p_lane failed with p_error (fail, jobs.sql).
 CREATE OR REPLACE FUNCTION pglane.breaker_failure(p_lane text, p_attempt_id bigint, p_error text) RETURNS void
