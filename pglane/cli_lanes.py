@@ -7,7 +7,7 @@ never as the database's column names; durations in the units the options take.
 from __future__ import annotations
 
 import argparse
-from typing import Any, LiteralString
+from typing import Any
 
 import psycopg
 from psycopg.rows import dict_row
@@ -29,11 +29,6 @@ SETTINGS = (
     ("max-deferrals", "max_deferrals", "count"), ("on-retry-later", "on_retry_later", "text"),
     ("pause-after-failures", "pause_after_failures", "count"),
 )
-# The push-back settings (revision 0013), which queries.LANE_SETTINGS does not read: merged by name.
-PUSH_BACK_SETTINGS: LiteralString = (
-    "SELECT name, max_deferrals, on_retry_later, pause_after_failures FROM pglane.lanes"
-    " WHERE %(name)s::text IS NULL OR name = %(name)s"
-)
 _PERIODS = {1.0: "s", 60.0: "min", 3600.0: "h", 86400.0: "d"}
 
 
@@ -41,10 +36,8 @@ def settings(conn: psycopg.Connection[Any], name: str | None = None) -> list[Row
     """Every lane's settings (or the one named), keyed by option name, JSON-ready (seconds as numbers)."""
     cur = conn.cursor(row_factory=dict_row)
     rows = cur.execute(queries.LANE_SETTINGS, {"name": name}, prepare=False).fetchall()
-    push_back = {r["name"]: r for r in cur.execute(PUSH_BACK_SETTINGS, {"name": name}, prepare=False).fetchall()}
     out = []
     for r in rows:
-        r.update(push_back.get(r["name"], {}))
         limit, period = r.pop("rate_limit"), r.pop("rate_period")
         r["rate"] = None if limit is None else f"{limit}/{_PERIODS.get(period, format_seconds(period))}"
         r["created_at"] = r["created_at"].isoformat()
@@ -213,7 +206,8 @@ def _paused_or_resumed(conn: psycopg.Connection[Any], args: argparse.Namespace, 
     if args.json:
         status = _status_of(conn, args.name)
         print(to_json({"lane": args.name, "note": note,
-                       **{k: status.get(k) for k in ("paused", "paused_until", "paused_by", "pause_reason")}}))
+                       **{k: status.get(k)
+                          for k in ("paused", "paused_until", "paused_by", "pause_reason", "pause_kind")}}))
     else:
         print(note)
     return 0

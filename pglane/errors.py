@@ -176,7 +176,10 @@ CONSTRAINT_HINTS: dict[str, str] = {
     "lane_group_slots_range": "--group-slots must be between 1 and 1000, or none for no limit per group",
     "job_group_1_to_255_characters": "a job's group is at most 255 characters; use a shorter tenant id",
     "job_status_valid": "job status must be one of queued, running, done, failed, cancelled",
-    "attempt_status_valid": "attempt status must be one of running, done, failed, lost, timed_out",
+    "lane_max_deferrals_range": "--max-deferrals must be between 0 and 10000",
+    "lane_on_retry_later_valid": "--on-retry-later must be job or lane",
+    "lane_pause_after_failures_range": "--pause-after-failures must be between 1 and 10000, or none for no breaker",
+    "attempt_status_valid": "attempt status must be one of running, done, failed, lost, timed_out, deferred",
 }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any, LiteralString
+from typing import Any
 
 import psycopg
 
@@ -18,8 +18,6 @@ from . import queries
 from .errors import ConfigurationError
 
 log = logging.getLogger("pglane.worker")
-# pglane_lane_paused: whether lane_status says the lane is paused now (a view pglane_operator may read).
-LANE_PAUSED: LiteralString = "SELECT paused FROM pglane.lane_status WHERE lane = %(lane)s"
 
 
 class Metrics:
@@ -42,10 +40,8 @@ class Metrics:
         self.running = gauge("pglane_running_jobs", "running jobs of the lane, all workers")
         self.rate_window = gauge("pglane_rate_window_used", "cost the lane started in its rate window now "
                                  "(its rate limit is the most it may reach); 0 on a lane without one")
-        self._paused = prom.Gauge("pglane_lane_paused", "1 while the lane is paused (it accepts jobs and starts "
-                                  "none: pglane lane resume), else 0; absent when this worker's role may not read "
-                                  "pglane.lane_status", labels, registry=self.registry)
-        self.paused = self._paused.labels(lane)
+        self.paused = gauge("pglane_lane_paused", "1 while the lane is paused (it accepts jobs and starts none: "
+                            "pglane lane resume), else 0")
         self.done = prom.Counter("pglane_jobs_done", "results this worker stored", labels,
                                  registry=self.registry).labels(lane)
         self.failed = prom.Counter("pglane_jobs_failed", "attempts this worker recorded failed or timed out", labels,
@@ -65,7 +61,6 @@ class Metrics:
     async def refresh_forever(self, dsn: str, every: float = 5.0) -> None:
         """Read the lane's queue gauges until cancelled; database errors only delay the next reading."""
         conn: psycopg.AsyncConnection[Any] | None = None
-        pause_readable = True
         try:
             while True:
                 try:
@@ -78,8 +73,7 @@ class Metrics:
                         self.oldest_queued.set(row[1])
                         self.running.set(row[2])
                         self.rate_window.set(row[3] or 0)
-                    if pause_readable:
-                        pause_readable = await self._read_pause(conn)
+                        self.paused.set(1 if row[4] else 0)
                 except psycopg.Error:
                     if conn is not None:
                         await conn.close()
@@ -89,19 +83,6 @@ class Metrics:
             if conn is not None:
                 with contextlib.suppress(psycopg.Error):
                     await conn.close()
-
-    async def _read_pause(self, conn: psycopg.AsyncConnection[Any]) -> bool:
-        """Set pglane_lane_paused from lane_status; False (and the gauge removed) when this role may not read it."""
-        try:
-            cur = await conn.execute(LANE_PAUSED, {"lane": self.lane})
-        except psycopg.errors.InsufficientPrivilege:
-            self._paused.remove(self.lane)
-            log.info("pglane_lane_paused is not reported: this worker's role may not read pglane.lane_status "
-                     "(pglane_operator may)")
-            return False
-        row = await cur.fetchone()
-        self.paused.set(1 if row is not None and row[0] else 0)
-        return True
 
     def close(self) -> None:
         self.server.shutdown()

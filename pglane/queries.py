@@ -85,7 +85,10 @@ QUEUE_GAUGES: LiteralString = (
     "SELECT count(*) AS queued, coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest,"
     " (SELECT count(*) FROM pglane.attempts a JOIN pglane.jobs r ON r.id = a.job_id"
     "   WHERE a.status = 'running' AND r.lane = %(lane)s) AS running,"
-    " pglane.rate_window_use(%(lane)s) AS rate_window_used"
+    " pglane.rate_window_use(%(lane)s) AS rate_window_used,"
+    # paused: the lane's latest pause, not resumed, not ended (sql/pause.sql keeps it with the claim's fact)
+    " EXISTS (SELECT 1 FROM pglane.lane_pauses p JOIN pglane.lanes l ON l.id = p.lane_id WHERE l.name = %(lane)s"
+    "   AND p.resumed_at IS NULL AND coalesce(p.paused_until > now(), true)) AS paused"
     " FROM pglane.jobs WHERE lane = %(lane)s AND in_queue"
 )
 
@@ -107,7 +110,8 @@ LANE_SETTINGS: LiteralString = (
     " rate_limit, extract(epoch FROM rate_period)::float8 AS rate_period,"
     " max_result_bytes, max_payload_bytes, extract(epoch FROM waiting_grace)::float8 AS waiting_grace,"
     " extract(epoch FROM retry_backoff)::float8 AS retry_backoff,"
-    " extract(epoch FROM key_retention)::float8 AS key_retention, group_slots, created_at"
+    " extract(epoch FROM key_retention)::float8 AS key_retention, group_slots, max_deferrals,"
+    " replace(on_retry_later, '_', '-') AS on_retry_later, pause_after_failures, created_at"
     " FROM pglane.lanes WHERE %(name)s::text IS NULL OR name = %(name)s ORDER BY name"
 )
 # `pglane lane delete`: in one transaction, the lane's row locked first (an enqueue's foreign key check

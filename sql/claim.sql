@@ -5,8 +5,8 @@
 -- delivered was accepted); a plain claim leaves it NULL. With no eligible job, every other column is NULL
 -- but wait_seconds and wait_reason: how long until a strict lane's lease ('lease'), a rate-limited
 -- lane's window ('rate') or a pause's end ('paused', pause.sql; wait_seconds NULL: until resumed) lets
--- this slot start a job. job_timeout: the call's timeout in seconds, the job's own if it has one
--- (never above the lane's), else the lane's. A rate-limited lane's claim that took a job sets
+-- this slot start a job. job_timeout: the job's own call timeout in seconds, never above the lane's
+-- (NULL: the job has none, the lane's applies). A rate-limited lane's claim that took a job sets
 -- them too when this slot's next start must wait.
 -- (A type, so alembic owns it: see revision 0007.)
 
@@ -70,8 +70,8 @@ END $$;
 -- session's identity (pid and mark, sessions.sql), which recovery later checks. Lock order: the job,
 -- then the counters row, then the attempt. On a paused lane (pause.sql) the seq is not bumped and
 -- nothing is written: the claim answers with the pause's end (the check is in the counters UPDATE's
--- WHERE, so a claim that waited for a pause's commit re-reads it). The call's timeout is handed to
--- the worker: the job's own job_timeout if it has one, never above the lane's.
+-- WHERE, so a claim that waited for a pause's commit re-reads it). A job's own job_timeout is handed
+-- to the worker, never above the lane's.
 CREATE OR REPLACE FUNCTION pglane.take(p_lane pglane.lanes, p_job pglane.picked, p_worker text, p_at timestamptz,
                                        p_window_change bigint, p_pending_starts timestamptz[]) RETURNS pglane.claimed
 LANGUAGE plpgsql AS $$
@@ -94,7 +94,8 @@ BEGIN
     UPDATE pglane.jobs j
        SET status = 'running', started_at = p_at, attempts = j.attempts + 1, seq = r.seq
      WHERE j.id = p_job.id
-    RETURNING j.id, j.attempts, j.payload, j.idempotency_key, extract(epoch FROM least(j.job_timeout, p_lane.job_timeout))
+    RETURNING j.id, j.attempts, j.payload, j.idempotency_key,
+              CASE WHEN j.job_timeout IS NOT NULL THEN date_part('epoch', least(j.job_timeout, p_lane.job_timeout)) END
          INTO r.job_id, r.attempt_number, r.payload, r.idempotency_key, r.job_timeout;
     r.lease_expires_at := p_at + p_lane.lease_timeout;
     v_mark := pglane.session_mark();  -- the claiming session's identity (sessions.sql)

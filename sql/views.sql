@@ -216,7 +216,7 @@ SELECT b.lane, b.slots, b.consumers, b.queued, b.running, b.done, b.failed, b.ca
        CASE WHEN b.takeover = 'after_lease' AND b.in_flight >= b.slots THEN b.lease_ends END AS waits_until,
        b.rate, b.rate_window_used, b.rate_next_start_at, b.group_slots, b.groups_waiting,
        b.pause_end IS NOT NULL AS paused, nullif(b.pause_end, 'infinity') AS paused_until,  -- NULL: until resumed
-       b.paused_by, b.pause_reason
+       b.paused_by, b.pause_reason, b.pause_kind  -- person, retry_later or breaker
   FROM base b;
 
 -- queue_positions: the position of every queued job of lane p_lane (of every lane if NULL), from one
