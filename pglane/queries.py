@@ -58,7 +58,7 @@ JOB_STATUS: LiteralString = "SELECT * FROM pglane.job_status WHERE job_id = %s"
 JOB_COLUMNS: LiteralString = (
     "s.job_id, s.lane, s.status, s.created_at, s.run_after, s.started_at, s.finished_at, s.waiting_for_worker,"
     " p.queue_position, s.attempts, s.seq, s.idempotency_key, s.last_error, s.attempt_id, s.attempt_status,"
-    " s.next_safe_action, s.result, s.enqueued_by, s.group_key, s.priority"
+    " s.next_safe_action, s.result, s.enqueued_by, s.group_key, s.priority, s.job_timeout"
 )
 JOBS: LiteralString = (  # queued jobs first, in the order they will be served (eligible ones in service
     # order, then scheduled ones by run_after); the rest newest first. The positions come from one ordered
