@@ -30,7 +30,7 @@ from . import queries
 from .errors import first_line
 from .handler import Outcome
 from .job import Claim
-from .metrics import Metrics
+from .metrics import LaneMetrics
 from .slot import LockSession
 
 log = logging.getLogger("pglane.worker")
@@ -58,7 +58,7 @@ class Unstored:
 
 
 class Outbox:
-    def __init__(self, metrics: Metrics | None = None) -> None:
+    def __init__(self, metrics: LaneMetrics | None = None) -> None:
         self.held: Unstored | None = None
         self._metrics = metrics
 
