@@ -120,4 +120,4 @@ class Outbox:
 def session_lost(session: LockSession, exc: psycopg.Error) -> bool:
     """Whether an error means the session is gone (closed, a connection error, the server ending it),
     rather than the database refusing a statement on a session that lives on."""
-    return session.conn.closed or (exc.sqlstate or "08").startswith(("08", "57P"))
+    return session.closed or (exc.sqlstate or "08").startswith(("08", "57P"))

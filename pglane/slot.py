@@ -113,6 +113,11 @@ class LockSession:
         self.news = False  # a NOTIFY 'settings' came (the lane's settings changed); the worker clears it
         self.ignored = 0  # notifications on the channel that were neither a wake-up nor news (not pglane's)
 
+    @property
+    def closed(self) -> bool:
+        """The session is gone: nothing more can run on it."""
+        return bool(self.conn.closed)
+
     def execute(self, query: LiteralString | sql.Composed, params: Any = None,
                 within: float | None = None) -> dict[str, Any] | None:
         """Run one statement on the session under the liveness deadline (or a shorter one, ``within``

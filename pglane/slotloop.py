@@ -96,17 +96,17 @@ def running() -> SlotLoop:
 
 class SlotLoop:
     """One slot of one lane, held in turn by sessions; its own state is the last claim's pacing
-    (pglane.pacing) and the outcome not yet stored (pglane.outbox). ``claim`` is the process's claim hook
+    (pglane.pacing) and the outcome not yet stored (pglane.outbox). It gets its sessions from ``connect``
+    and uses them through LockSession's methods only; ``claim`` is the process's claim hook
     (``Worker._claim``), through which every claim_or_wait of this slot goes."""
 
-    def __init__(self, lane: ServedLane, lifetime: Lifetime, dsn: str, name: str, *, poll_interval: float,
-                 liveness: float, claim: Callable[[LockSession], Claim | None]) -> None:
+    def __init__(self, lane: ServedLane, lifetime: Lifetime, name: str, *, poll_interval: float,
+                 connect: Callable[[ServedLane], LockSession], claim: Callable[[LockSession], Claim | None]) -> None:
         self.lane = lane
         self.lifetime = lifetime
-        self.dsn = dsn
         self.name = name  # the worker's name, recorded on attempts
         self.poll_interval = poll_interval
-        self.liveness = liveness
+        self._connect = connect  # opens a session for a slot of the lane (the process's: Worker._connect)
         self._claim = claim
         self.outbox = Outbox(lane.metrics)
         self.jobs_run = 0  # calls this slot made to their end
@@ -154,8 +154,7 @@ class SlotLoop:
         """Connect, deliver an outcome still held, LISTEN, take a slot (or wait as a standby), recover, drain."""
         lane = self.lane
         try:
-            session = LockSession.connect(self.dsn, lane.settings.id, lane.settings.slots, f"{lane.name} {self.name}",
-                                          self.liveness)
+            session = self._connect(lane)
         except psycopg.OperationalError as exc:
             raise DatabaseUnavailable(first_line(exc)) from None
         held = False

@@ -160,8 +160,8 @@ class Worker:
                 log.warning("lane %s has %s slot(s) and this worker asks for %s: %s will wait as standby until the "
                             "lane has more (pglane lane set %s --slots N)", s.name, s.slots, lane.slots,
                             lane.slots - s.slots, s.name)
-        self.slots = [SlotLoop(lane, self.lifetime, self.dsn, self.name, poll_interval=o.poll_interval,
-                               liveness=o.liveness, claim=self._claim) for lane in lanes for _ in range(lane.slots)]
+        self.slots = [SlotLoop(lane, self.lifetime, self.name, poll_interval=o.poll_interval, connect=self._connect,
+                               claim=self._claim) for lane in lanes for _ in range(lane.slots)]
         try:
             failure = await self._run_slots()
         finally:
@@ -222,7 +222,12 @@ class Worker:
                               "create NAME")
         return {name: Lane.from_row(row, name) for name, row in rows.items()}  # one unknown: UnknownLane
 
-    # ----- the claim hook ---------------------------------------------------------------------
+    # ----- what every slot loop gets from the process -----------------------------------------
+
+    def _connect(self, lane: ServedLane) -> LockSession:
+        """A session of its own for a slot of ``lane``: a dedicated lock connection."""
+        s = lane.settings
+        return LockSession.connect(self.dsn, s.id, s.slots, f"{s.name} {self.name}", self.options.liveness)
 
     def _claim(self, session: LockSession) -> Claim | None:
         """Every claim_or_wait of every slot goes through here, on the slot's session, for the slot whose
