@@ -55,7 +55,7 @@ class Lifetime:
         self.kept.append(session)
         if self.hung is None:
             self.hung = reason
-        self.stop(f"{reason}; the process will exit once the other calls in progress have finished")
+        self.stop(reason)
 
     @property
     def stopping(self) -> bool:

@@ -192,10 +192,10 @@ class Worker:
             try:
                 await ended
             except Exception as exc:
-                if failure is None:
-                    failure = exc
-                    log.error("a slot of this worker failed (%s): stopping the worker", first_line(exc))
-                    self.stop("a slot failed")
+                log.error("a slot of this worker failed (%s: %s): stopping the worker", type(exc).__name__,
+                          first_line(exc))
+                failure = failure or exc
+                self.stop("a slot failed")
         return failure
 
     def _log_unstored(self) -> bool:

@@ -17,7 +17,7 @@ import pytest
 
 import pglane
 from pglane.worker import Worker, WorkerOptions
-from tests.conftest import Ledger, Workers, console, slot_holder, take_slot, wait_until
+from tests.conftest import Ledger, Workers, console, metrics_port, scrape, slot_holder, take_slot, wait_until
 from tests.crash.conftest import check_invariants
 
 PAID = ("--handler", "tests.handlers:paid_call")
@@ -244,6 +244,20 @@ def test_a_call_past_its_hard_timeout_stops_every_lane_and_exits_75_once_the_oth
     assert status(conn, waiting) == "queued"  # no new job started once the process was to recycle
     assert "lane stuck: the handler of attempt" in Workers.log(proc) and "exiting 75" in Workers.log(proc)
     wait_until(lambda: slot_holder(conn, "stuck") == [] and slot_holder(conn, "busy") == [], 10, "the slots freed")
+
+
+def test_one_metrics_server_serves_every_lane_of_the_process(conn: Any, workers: Workers) -> None:
+    lanes = {"a": 1, "b": 2}
+    port = metrics_port(workers.start_lanes(create(conn, lanes), *PAID, "--metrics-port", "0"))
+    jobs = [pglane.enqueue(conn, "b", {}) for _ in range(3)]
+    wait_until(all_done(conn, jobs), 30, "lane b's jobs")
+
+    def reported() -> bool:
+        a, b = scrape(port, "a"), scrape(port, "b")
+        return (a.get("pglane_slot_held"), b.get("pglane_slot_held")) == (1, 2) and \
+            (a.get("pglane_jobs_done_total"), b.get("pglane_jobs_done_total")) == (0, 3)
+
+    wait_until(reported, 20, "each lane's slots and jobs, each under its own label")
 
 
 @pytest.mark.parametrize(("args", "says"), [
