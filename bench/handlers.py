@@ -11,7 +11,7 @@ With BENCH_PROFILE=FILE the worker process that imports this module runs under c
 and dumps its statistics to FILE at exit (a graceful SIGTERM stop runs atexit).
 
 With BENCH_EXPERIMENT=lean-call (only ``python -m bench --only profile`` sets it) this worker process patches
-its own copy of pglane's worker in memory: Worker._call awaits the async handler directly (no
+its own copy of pglane's worker in memory: SlotLoop._call awaits the async handler directly (no
 watchdog, no timeout, no session watcher). That is a lower bound for the call scaffolding, to measure
 what it costs; nothing on disk changes.
 """
@@ -72,13 +72,13 @@ def _start_profile(path: str) -> None:
 
 def _experiment(name: str) -> None:
     from pglane import handler as handlers
-    from pglane import worker
+    from pglane import slotloop
 
-    async def lean_call(self: worker.Worker, session: Any, claim: Claim) -> handlers.Outcome:
-        return handlers.encode(await self.runner.handler(claim.job))
+    async def lean_call(self: slotloop.SlotLoop, session: Any, claim: Claim) -> handlers.Outcome:
+        return handlers.encode(await self.lane.caller.runner.handler(claim.job))
 
     if name == "lean-call":
-        worker.Worker._call = lean_call  # type: ignore[method-assign]
+        slotloop.SlotLoop._call = lean_call  # type: ignore[method-assign]
 
 
 if os.environ.get("BENCH_EXPERIMENT"):

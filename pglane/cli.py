@@ -128,6 +128,19 @@ def _lane_name(text: str) -> str:
     return text
 
 
+def _lane_slots(text: str) -> tuple[str, int]:
+    """worker's LANE[=N]: the lane and how many of its slots the process takes."""
+    name, sep, count = text.partition("=")
+    try:
+        slots = int(count) if sep else 1
+    except ValueError:
+        slots = 0
+    if not name or slots < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give LANE or LANE=N, N a whole number of at least 1 (the slots "
+                                         "of the lane this process takes), e.g. brain=2")
+    return name, slots
+
+
 def _payload(text: str) -> Any:
     try:
         return json.loads(text)
@@ -272,15 +285,20 @@ def _work_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
                      help="with --wait: give up after this long, saying where the job is (exit 4; default: wait "
                      "as long as it takes)")
 
-    w = command("worker", "run a worker for one lane", json_flag=False)
-    w.add_argument("lane", help="the lane to serve")
-    w.add_argument("--handler", required=True,
-                   help="MODULE:CALLABLE taking a pglane.Job, imported from the current directory first (as "
-                   "Celery does), then from sys.path")
+    w = command("worker", "run a worker: one or more lanes, up to N slots of each, in one process",
+                json_flag=False)
+    w.add_argument("lanes", nargs="+", type=_lane_slots, metavar="LANE[=N]",
+                   help="a lane to serve and how many of its slots this process takes (default 1; a slot it cannot "
+                   "take it waits for as a standby); name several and one process serves them all")
+    w.add_argument("--handler", action="append", required=True, metavar="[LANE=]MODULE:CALLABLE",
+                   help="a callable taking a pglane.Job, imported from the current directory first (as Celery does), "
+                   "then from sys.path: LANE=MODULE:CALLABLE for that lane only, MODULE:CALLABLE for every lane "
+                   "without its own (repeatable; the handler sees job.lane)")
     w.add_argument("--poll-interval", type=_seconds, default="5s",
                    help="how often an idle worker looks for work it was not woken for")
-    w.add_argument("--max-jobs", type=int, help="exit after this many jobs (default: never)")
-    w.add_argument("--max-lifetime", type=_seconds, help="exit after this long, between jobs (default: never)")
+    w.add_argument("--max-jobs", type=int, help="exit after this many jobs, of all its lanes together (default: never)")
+    w.add_argument("--max-lifetime", type=_seconds, help="exit after this long, each call in progress finished "
+                   "(default: never)")
     w.add_argument("--timeout", type=_seconds, help="hard timeout of a call (default: the lane's job timeout + "
                    "a margin inside its lease)")
     w.add_argument("--name", help="worker name recorded on attempts (default: host:pid)")
@@ -488,8 +506,15 @@ def _web(dsn: str, args: argparse.Namespace) -> int:
 
 def _worker(dsn: str, args: argparse.Namespace) -> int:
     from . import handler
-    from .worker import Worker, WorkerOptions
+    from .worker import Worker, WorkerOptions, plan
 
+    lanes: dict[str, int] = {}
+    for name, slots in args.lanes:
+        if name in lanes:
+            raise ConfigurationError(f"lane {name} is named twice; name it once, with its slots: {name}=N")
+        lanes[name] = slots
+    default, specs = _handler_specs(args.handler)
+    plan(lanes, default, specs)  # every lane has a handler, every handler a lane: before anything is imported
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s")
     pglane_level = logging.WARNING if args.quiet else logging.DEBUG if args.verbose else logging.INFO
@@ -501,7 +526,28 @@ def _worker(dsn: str, args: argparse.Namespace) -> int:
     with client.connect(dsn) as conn:
         schema.require_current(conn)
     handler.search_cwd()
-    return Worker(dsn, args.lane, handler.load(args.handler), options).run()
+    loaded = {spec: handler.load(spec) for spec in {*specs.values(), *([default] if default else [])}}
+    return Worker(dsn, options=options, lanes=lanes, handler=loaded[default] if default else None,
+                  handlers={lane: loaded[spec] for lane, spec in specs.items()}).run()
+
+
+def _handler_specs(given: list[str]) -> tuple[str | None, dict[str, str]]:
+    """worker's --handler [LANE=]MODULE:CALLABLE, repeated: the one for every lane without its own (or
+    None), and each lane's own. A module path holds no '=', so the first '=' before any ':' names a lane."""
+    default: str | None = None
+    specs: dict[str, str] = {}
+    for text in given:
+        lane, sep, spec = text.partition("=")
+        if not sep or ":" in lane:
+            if default is not None:
+                raise ConfigurationError(f"two handlers for every lane ({default} and {text}); give one, and "
+                                         "LANE=MODULE:CALLABLE for a lane that needs another")
+            default = text
+        elif lane in specs:
+            raise ConfigurationError(f"two handlers for lane {lane} ({specs[lane]} and {spec}); give one")
+        else:
+            specs[lane] = spec
+    return default, specs
 
 
 def _command(conn: Any, args: argparse.Namespace) -> int:

@@ -106,14 +106,15 @@ def encode(value: Any) -> Outcome:
 
 
 class Runner:
-    """Runs one handler; knows whether it is async and owns the thread for a sync one."""
+    """Runs one handler; knows whether it is async and owns the threads for a sync one: ``threads``, one
+    for each call that may run at once (a worker's slots of one lane), so that no call waits for a thread."""
 
-    def __init__(self, handler: Handler) -> None:
+    def __init__(self, handler: Handler, threads: int = 1) -> None:
         self.handler = handler
         self.is_async = inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
             getattr(handler, "__call__", None)  # noqa: B004 - an object with an async __call__
         )
-        self._thread = None if self.is_async else ThreadPoolExecutor(1, thread_name_prefix="pglane-handler")
+        self._thread = None if self.is_async else ThreadPoolExecutor(threads, thread_name_prefix="pglane-handler")
 
     def start(self, job: Job) -> tuple[asyncio.Future[Any], Callable[[], object]]:
         """Start the call: the future holds the raw return value or the handler's exception, and the

@@ -1,9 +1,17 @@
 """When a worker process stops taking jobs: a stop request (SIGTERM, SIGINT, ``Worker.stop``), its
-``--max-jobs`` or its ``--max-lifetime``; and the periodic recovery it runs between them.
+``--max-jobs``, its ``--max-lifetime`` or a hung handler's recycle; and each lane's periodic recovery
+between them (``Recovery``).
 
+A ``Lifetime`` belongs to the process, and every slot of every lane it serves shares it (pglane.worker).
 Invariants:
-- a stop never cuts a call off: it ends waits (the backoff's sleep, the idle wait, through the session
-  ``interrupting`` names), never a call in progress;
+- a stop never cuts a call off: it ends waits (the backoff's sleep, the idle waits of every slot, through
+  the sessions ``interrupting`` names), never a call in progress;
+- ``--max-jobs`` counts the jobs the process's slots *claimed* (``claimed``), so that slots claiming side
+  by side never start more than it between them: every claim is a statement the event loop's thread
+  runs to its end, and each is sent only after ``done()`` said no, with no await in between;
+- a recycle (a handler outlived the hard timeout, pglane.call) is a stop that ends in EXIT_HUNG: the hung
+  call's session is ``kept`` (its slot stays held, so no second call of its lane starts beside the
+  thread that cannot be stopped) until the process exits, once every other call has finished;
 - every timer counts on time.monotonic(), from the process's start.
 """
 
@@ -21,24 +29,33 @@ log = logging.getLogger("pglane.worker")
 
 
 class Lifetime:
-    def __init__(self, max_jobs: int | None, max_lifetime: float | None, recover_interval: float) -> None:
+    def __init__(self, max_jobs: int | None, max_lifetime: float | None) -> None:
         self.started = time.monotonic()
-        self.jobs_run = 0
+        self.jobs_run = 0  # calls made to their end, by every slot
+        self.claimed = 0  # jobs claimed by every slot: what --max-jobs counts
         self._max_jobs = max_jobs
         self._max_lifetime = max_lifetime
-        self._recover_interval = recover_interval
-        self._recover_at = self.started  # the first recovery runs on the first slot taken
-        self.stop_requested = asyncio.Event()  # set once; what every wait of the worker also waits for
-        self._waiting: LockSession | None = None  # a session waiting idle, which a stop request interrupts
+        self.stop_requested = asyncio.Event()  # set once; what every wait of every slot also waits for
+        self._waiting: set[LockSession] = set()  # the sessions waiting idle, which a stop request interrupts
+        self.hung: str | None = None  # why the process recycles (a handler outlived the hard timeout)
+        self.kept: list[LockSession] = []  # the hung calls' sessions: held, never released, until the exit
 
     # ----- the end ---------------------------------------------------------------------------
 
     def stop(self, reason: str) -> None:
         if not self.stop_requested.is_set():
-            log.info("%s: finishing the current job, then releasing the slot and exiting", reason)
+            log.info("%s: finishing the calls in progress, then releasing the slots and exiting", reason)
             self.stop_requested.set()
-            if self._waiting is not None:
-                self._waiting.interrupt()
+            for session in tuple(self._waiting):
+                session.interrupt()
+
+    def recycle(self, reason: str, session: LockSession) -> None:
+        """A handler outlived the hard timeout on ``session`` (its attempt recorded already): keep that
+        session, and its slot, until the exit; stop the rest of the process, which then exits EXIT_HUNG."""
+        self.kept.append(session)
+        if self.hung is None:
+            self.hung = reason
+        self.stop(reason)
 
     @property
     def stopping(self) -> bool:
@@ -48,7 +65,7 @@ class Lifetime:
         """No new job starts: a stop was asked for, or the process is due to recycle."""
         if self.stop_requested.is_set():
             return True
-        if self._max_jobs is not None and self.jobs_run >= self._max_jobs:
+        if self._max_jobs is not None and self.claimed >= self._max_jobs:
             return True
         return self._max_lifetime is not None and time.monotonic() - self.started >= self._max_lifetime
 
@@ -63,20 +80,27 @@ class Lifetime:
 
     @contextlib.contextmanager
     def interrupting(self, session: LockSession) -> Iterator[None]:
-        """While inside, a stop request interrupts ``session``'s wait."""
-        self._waiting = session
+        """While inside, a stop request interrupts ``session``'s wait (each slot's, side by side)."""
+        self._waiting.add(session)
         try:
             yield
         finally:
-            self._waiting = None
+            self._waiting.discard(session)
 
-    # ----- recovery between jobs -------------------------------------------------------------
 
-    def recovery_due(self, now: float | None = None) -> bool:
-        return (time.monotonic() if now is None else now) >= self._recover_at
+class Recovery:
+    """When a lane's next recovery is due: one timer per lane, shared by the process's slots of it, so a
+    lane is recovered every ``interval`` however many of its slots the process holds."""
 
-    def recover_in(self, now: float) -> float:
-        return max(0.0, self._recover_at - now)
+    def __init__(self, interval: float) -> None:
+        self._interval = interval
+        self._at = time.monotonic()  # the first recovery runs on the first slot taken
 
-    def recovered(self) -> None:
-        self._recover_at = time.monotonic() + self._recover_interval
+    def due(self, now: float | None = None) -> bool:
+        return (time.monotonic() if now is None else now) >= self._at
+
+    def due_in(self, now: float) -> float:
+        return max(0.0, self._at - now)
+
+    def done(self) -> None:
+        self._at = time.monotonic() + self._interval

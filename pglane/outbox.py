@@ -30,7 +30,7 @@ from . import queries
 from .errors import first_line
 from .handler import Outcome
 from .job import Claim
-from .metrics import Metrics
+from .metrics import LaneMetrics
 from .slot import LockSession
 
 log = logging.getLogger("pglane.worker")
@@ -58,7 +58,7 @@ class Unstored:
 
 
 class Outbox:
-    def __init__(self, metrics: Metrics | None = None) -> None:
+    def __init__(self, metrics: LaneMetrics | None = None) -> None:
         self.held: Unstored | None = None
         self._metrics = metrics
 
@@ -120,4 +120,4 @@ class Outbox:
 def session_lost(session: LockSession, exc: psycopg.Error) -> bool:
     """Whether an error means the session is gone (closed, a connection error, the server ending it),
     rather than the database refusing a statement on a session that lives on."""
-    return session.conn.closed or (exc.sqlstate or "08").startswith(("08", "57P"))
+    return session.closed or (exc.sqlstate or "08").startswith(("08", "57P"))

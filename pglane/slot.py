@@ -27,7 +27,8 @@ The connection is a synchronous psycopg connection driven from the worker's even
 statements are short (a claim, a completion) and block the loop for their round trip only, which
 costs far less per job than an async connection's machinery (bench: `python -m bench`); waiting
 (for a NOTIFY, or for the connection to fail during a call) is done on the event loop by watching
-the socket, never by blocking. The one long blocking call is a standby's bounded wait for a slot.
+the socket, never by blocking. The one long blocking call, a standby's bounded wait for a slot, runs
+in a thread of its own, so that the other slots of the process (pglane.worker) run on meanwhile.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, LiteralString
 
 import psycopg
@@ -111,6 +113,11 @@ class LockSession:
         self.news = False  # a NOTIFY 'settings' came (the lane's settings changed); the worker clears it
         self.ignored = 0  # notifications on the channel that were neither a wake-up nor news (not pglane's)
 
+    @property
+    def closed(self) -> bool:
+        """The session is gone: nothing more can run on it."""
+        return bool(self.conn.closed)
+
     def execute(self, query: LiteralString | sql.Composed, params: Any = None,
                 within: float | None = None) -> dict[str, Any] | None:
         """Run one statement on the session under the liveness deadline (or a shorter one, ``within``
@@ -169,12 +176,16 @@ class LockSession:
 
     async def wait_take(self, stopping: asyncio.Event, reread: Callable[[], None], recheck: float) -> bool:
         """Wait as a standby until a slot frees, then take it; False if asked to stop first.
-        Blocks on one slot at a time (rotating, STANDBY_WAIT each) so that a one-slot lane is taken
-        over the moment its holder's session ends; between waits the event loop runs (signals), and
-        the lane's notifications are read (listen() first): on its news, and every ``recheck`` seconds
-        anyway (a notification may be lost), ``reread`` reads the lane again (setting ``slots``) and every
-        slot is tried at once, so that a raised slot count is taken without waiting for a holder."""
+        Waits on one slot at a time (rotating, STANDBY_WAIT each) so that a one-slot lane is taken over
+        the moment its holder's session ends. Each wait blocks a thread of this session's own, never the
+        event loop, on which the process's other slots run: the connection is this session's alone, and
+        nothing on the loop touches it until the wait returns (a stop request is therefore seen between
+        waits, within STANDBY_WAIT, and the Fuse still cuts a wait the network made silent). Between
+        waits the lane's notifications are read (listen() first): on its news, and every ``recheck``
+        seconds anyway (a notification may be lost), ``reread`` reads the lane again (setting ``slots``)
+        and every slot is tried at once, so that a raised slot count is taken without waiting for a holder."""
         self.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(STANDBY_WAIT)))
+        waiter = ThreadPoolExecutor(1, thread_name_prefix="pglane-standby")
         try:
             turn = 0
             due = time.monotonic() + recheck
@@ -187,19 +198,24 @@ class LockSession:
                         return True
                 slot = turn % self.slots + 1
                 turn += 1
-                try:
-                    self.execute(queries.WAIT_SLOT, (self.lane_id, slot))
-                except psycopg.errors.LockNotAvailable:
-                    if self.slots > 1 and self.try_take():
-                        return True
-                    await asyncio.sleep(0)
-                    continue
-                self._took(slot)
-                return True
+                if await asyncio.wrap_future(waiter.submit(self._wait_slot, slot)):
+                    self._took(slot)
+                    return True
+                if self.slots > 1 and self.try_take():
+                    return True
             return False
         finally:
+            waiter.shutdown(wait=False)
             if not self.conn.closed:
                 self.execute("RESET lock_timeout")
+
+    def _wait_slot(self, slot: int) -> bool:
+        """In the standby's thread: wait up to STANDBY_WAIT for ``slot``; True once taken."""
+        try:
+            self.execute(queries.WAIT_SLOT, (self.lane_id, slot))
+        except psycopg.errors.LockNotAvailable:
+            return False
+        return True
 
     def listen(self) -> None:
         self.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))

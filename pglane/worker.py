@@ -1,50 +1,35 @@
-"""The worker loop: hold a slot of one lane, claim, call the handler, write the outcome; survive the rest.
+"""The worker process: serve one or many lanes, up to N slots of each, in one event loop.
 
-Owns the sequence of one worker process (docs/design.md); the call and its timeouts belong to pglane.call,
-the slot session to pglane.slot, the outcome not yet stored to pglane.outbox, what the last claim said
-about the next one to pglane.pacing, and when the process stops to pglane.lifetime. Its states, and
-where each one leads:
+``pglane worker a=2 b --handler M:C`` (or ``pglane.Worker(dsn, lanes={"a": 2, "b": 1}, handler=...)``)
+runs one slot loop (pglane.slotloop) per slot: two of lane a, one of b, each in a task of its own,
+each with its own lock session for now (docs/design.md, "The lock connection"). Owns what belongs to the
+process, not to a slot or a lane: the signal handlers, the one metrics server, the pooler refusal (once),
+the lifetime (--max-jobs and --max-lifetime counted over the process, the stop request every slot
+shares), the watchdog, and the exit status. What belongs to a lane (its settings and their reload, its
+caller with its timeouts, its recovery timer) is pglane.lane's, shared by the process's slots of it.
 
-    state            what happens                                              leads to
-    connecting       a session is opened (after a backoff, see below); an      standby; holding
-                     outcome still pending is written first
-    standby          every slot is held: wait for one to free, listening: the  holding; stopping
-                     lane's news, or each poll interval, reads its slots again
-    holding, idle    on taking the slot (LISTENing already): recover, claim.   calling; stopping
-                     With no job: recover if due, else wait for a NOTIFY, the
-                     poll interval, the recovery timer or the claim's pacing
-                     (a lease's end, the rate limit's turn); claim again
-    calling          the handler runs on the claimed job (pglane.call)         writing; exit 75
-    writing          the outcome goes through the guarded complete()/fail();   calling; idle; pending;
-                     on the fast path (no stop, no recovery due) fused with    stopping
-                     the next claim in one round trip (complete_and_claim)
-    pending outcome  the session died before the outcome was written: it is    connecting
-                     kept
-    stopping         SIGTERM/SIGINT, --max-jobs, --max-lifetime: the call in   exit 0; exit 69 (the
-                     progress ends, its outcome is written, the slot released  database unreachable,
-                                                                               an outcome pending)
-
-A database error or a lost session, in any state with a session, leads back to connecting: at once
-after a session that got a job done, else after a backoff (tenacity: 0.1 s doubling up to 5 s, so a
-repeated error is never spun on) that a stop request cuts short. Asked to stop, the worker makes one
-more attempt, to deliver a pending outcome, and gives up if that fails too.
+    state        what happens                                                   leads to
+    starting     every lane read (an unknown one refused), every lane's timing   serving; exit 2, 1
+                 rules checked, the pooler probed: before any slot is taken
+    serving      every slot loop runs until done (pglane.slotloop)              stopping
+    stopping     SIGTERM/SIGINT, --max-jobs, --max-lifetime, a hung handler or   exit 0, 69, 75
+                 a slot loop's unexpected error: no slot claims again; each
+                 call in progress ends, its outcome is written, its slot freed
 
 Invariants:
-- a claim commits before the handler runs, and runs on the slot session (the database refuses others);
-- every outcome is written through the guarded pglane.complete()/fail(), so a late or zombie write can
-  never overwrite a newer attempt; an outcome that could not be written (the connection died) stays
-  in the outbox and is delivered first after reconnecting;
-- a stop never cuts a call off: the worker finishes the current call, writes its outcome, releases the
-  slot and exits 0. If the database is unreachable then, it does not wait for it: it logs the statement
-  that stores the outcome and exits 69 (EXIT_UNSTORED);
-- a handler still running at the hard timeout gets its attempt recorded timed_out and the process ends
-  with 75 (EXIT_HUNG), because a thread cannot be killed (pglane.call);
-- no NOTIFY is dropped unanswered: one is forgotten only after a claim that found a job (another claim
-  follows before any wait); one read during an empty claim may announce a job committed after that
-  claim's snapshot, so it ends the next wait at once. A lost one would cost a poll interval.
-How it breaks: if the slot session dies during a call, another worker may take the slot and start
-the next job while this call finishes; this call's result is then still accepted under the
-late-result rule, and the one-slot promise resumes once this worker is a standby.
+- one slot's wait, call or error never holds up another slot: every wait is on the event loop (a
+  standby's blocking wait runs in a thread of its own), every sync handler in a thread of its lane's;
+- a stop never cuts a call off: the process exits once every slot loop has ended, each after its call;
+  exit 0, or 69 (EXIT_UNSTORED) when an outcome could not be stored (the database unreachable), each
+  such outcome's storing statement logged;
+- a handler still running at the hard timeout gets its attempt recorded timed_out, its slot kept, and
+  the process ends with 75 (EXIT_HUNG) once the other slots' calls have finished (a thread cannot be
+  killed, pglane.call): every lane of the process then stops taking jobs until it is restarted;
+- a slot loop's unexpected error stops the process the same way, and is raised once every other slot
+  loop has ended.
+How it breaks: a handler that blocks the event loop itself (an async handler that never awaits, a C
+extension holding the GIL) stops every slot of the process; past its hard timeout the watchdog ends the
+process at once (exit 75), cutting the other calls off: their attempts are recovered as lost.
 """
 
 from __future__ import annotations
@@ -55,78 +40,84 @@ import logging
 import os
 import signal
 import socket
-import time
-from collections.abc import Coroutine
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, LiteralString
+from typing import TypeVar
 
 import psycopg
-from tenacity import AsyncRetrying, RetryCallState, RetryError, retry_if_exception_type, wait_exponential
 
-from . import queries, timing
-from .call import Caller
-from .errors import ConfigurationError, DatabaseUnavailable, NoSlotHeld, SlotLost, UnknownLane, first_line, translate
-from .handler import Handler, Outcome, Runner
+from . import queries
+from .call import EXIT_HUNG, Watchdog
+from .errors import ConfigurationError, DatabaseUnavailable, UnknownLane, first_line
+from .handler import Handler
 from .job import Claim
+from .lane import Lane, ServedLane, violations
 from .lifetime import Lifetime
 from .metrics import Metrics
-from .outbox import Outbox, session_lost
-from .pacing import Pacing
 from .slot import LIVENESS, LockSession
+from .slotloop import SlotLoop, running
 
 log = logging.getLogger("pglane.worker")
 
+H = TypeVar("H")  # a handler, or what names one (the command line checks its plan before importing any)
+
 EXIT_OK = 0
 EXIT_UNSTORED = 69  # EX_UNAVAILABLE: stopped while the database was unreachable, an outcome unwritten
-SESSION_ENDS = (psycopg.Error, NoSlotHeld, DatabaseUnavailable)  # what ends a session: back to connecting
-READ_ONLY = "25006"  # read_only_sql_transaction: what a standby or a demoted primary answers a write
-# Back-to-back jobs whose handler never suspends (an async handler with nothing to await) never give
-# the event loop a turn, and a stop signal is dispatched only on one: the drain yields at least this often.
-LOOP_TURN = 0.05
 
 
 @dataclass(frozen=True)
 class WorkerOptions:
     poll_interval: float = 5.0
-    max_jobs: int | None = None
+    max_jobs: int | None = None  # over the process: every slot's jobs together
     max_lifetime: float | None = None
-    timeout: float | None = None  # the hard timeout; default: timing.default_worker_timeout
+    timeout: float | None = None  # the hard timeout; default: timing.default_worker_timeout, per lane
     recover_interval: float = 30.0
     name: str | None = None
     metrics_port: int | None = None  # serve Prometheus metrics on 127.0.0.1:PORT
     liveness: float = LIVENESS  # a lock session silent this long is taken for lost
 
 
-@dataclass(frozen=True)
-class Lane:
-    id: int
-    name: str
-    slots: int
-    job_timeout: float
-    lease_timeout: float
-    max_result_bytes: int
-    takeover: str
+def plan(lanes: Mapping[str, int] | Iterable[str], handler: H | None,
+         handlers: Mapping[str, H] | None) -> dict[str, tuple[int, H]]:
+    """Each lane served, with its slot count and its handler: ``handlers[lane]``, else ``handler``.
+    ConfigurationError for no lane, a count below 1, a lane with no handler or a handler for a lane
+    not served."""
+    counts = dict(lanes) if isinstance(lanes, Mapping) else dict.fromkeys(lanes, 1)
+    handlers = dict(handlers or {})
+    if not counts:
+        raise ConfigurationError("name at least one lane to serve")
+    if few := [f"{name}={n}" for name, n in counts.items() if not isinstance(n, int) or n < 1]:
+        raise ConfigurationError(f"{', '.join(few)}: a worker takes at least 1 slot of each lane it serves")
+    if stray := sorted(set(handlers) - set(counts)):
+        raise ConfigurationError(f"a handler is given for {', '.join(stray)}, which this worker does not serve; "
+                                 f"serve it (pglane worker {' '.join([*counts, *stray])} ...) or drop that handler")
+    served: dict[str, tuple[int, H]] = {}
+    for name, n in counts.items():
+        chosen = handlers.get(name, handler)
+        if chosen is None:
+            raise ConfigurationError(f"no handler for lane {name}: give --handler {name}=MODULE:CALLABLE, or one "
+                                     "--handler MODULE:CALLABLE for every lane without its own")
+        served[name] = (n, chosen)
+    return served
 
 
 class Worker:
-    """One slot of one lane, held in turn by sessions; its state is four values: the lane's settings as
-    last read (``_lane``), the last claim's pacing (pglane.pacing), the outcome not yet stored
-    (pglane.outbox) and the process's lifetime (pglane.lifetime)."""
+    """A worker process: up to N slots of each of its lanes. ``Worker(dsn, "lane", handler)`` serves one
+    slot of one lane; ``Worker(dsn, lanes={"a": 2, "b": 1}, handler=h)`` (or ``handlers={"a": h, ...}``,
+    a lane's own handler before ``handler``) serves several, each handler seeing ``job.lane``."""
 
-    _caller: Caller  # makes the calls; made by main() once the lane's timeouts are known
-    _lane: Lane  # the lane's settings as last read (each session's start, and after its news)
-    _outbox: Outbox  # the outcome not yet stored; made by main() with the metrics
-
-    def __init__(self, dsn: str, lane: str, handler: Handler, options: WorkerOptions | None = None) -> None:
+    def __init__(self, dsn: str, lane: str | None = None, handler: Handler | None = None,
+                 options: WorkerOptions | None = None, *, lanes: Mapping[str, int] | Iterable[str] | None = None,
+                 handlers: Mapping[str, Handler] | None = None) -> None:
+        if (lane is None) == (lanes is None):
+            raise ConfigurationError("give a worker one lane, or lanes={name: slots, ...}, not both")
         self.dsn = dsn
-        self.lane_name = lane
+        self.plan = plan(lanes if lanes is not None else [lane] if lane is not None else [], handler, handlers)
+        self.lane_name = next(iter(self.plan))  # the first lane served (the only one of a one-lane worker)
         self.options = options or WorkerOptions()
         self.name = self.options.name or f"{socket.gethostname()}:{os.getpid()}"
-        self.runner = Runner(handler)
-        o = self.options
-        self.lifetime = Lifetime(o.max_jobs, o.max_lifetime, o.recover_interval)
-        self._pacing = Pacing.first()
-        self._metrics: Metrics | None = None
+        self.lifetime = Lifetime(self.options.max_jobs, self.options.max_lifetime)
+        self.slots: list[SlotLoop] = []  # made by main()
 
     @property
     def jobs_run(self) -> int:
@@ -146,281 +137,99 @@ class Worker:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(ValueError, RuntimeError):  # not the main thread
                 loop.add_signal_handler(sig, self.stop, f"{signal.Signals(sig).name} received")
-        lane = self._load_lane()
+        settings = self._load_lanes()
         from .pooler import refuse_transaction_pooler  # a direct or session-pooled DSN, before any slot
 
         refuse_transaction_pooler(self.dsn)
-        hard_timeout = self.options.timeout or timing.default_worker_timeout(lane.job_timeout, lane.lease_timeout)
-        if broken := timing.Timeouts(job=lane.job_timeout, lease=lane.lease_timeout, worker=hard_timeout).violations():
-            raise ConfigurationError(f"lane {lane.name}: " + "; ".join(broken))
-        refresher = None
-        if self.options.metrics_port is not None:
-            self._metrics = Metrics(lane.name, self.options.metrics_port)
-            refresher = asyncio.ensure_future(self._metrics.refresh_forever(self.dsn))
-        self._outbox = Outbox(self._metrics)
-        self._caller = Caller(self.runner, self.dsn, lane.job_timeout, hard_timeout, lane.max_result_bytes,
-                              self._metrics)
-        log.info("worker %s for lane %s (%s slot(s), job timeout %gs, hard timeout %gs, lease %gs)",
-                 self.name, lane.name, lane.slots, lane.job_timeout, hard_timeout, lane.lease_timeout)
+        o = self.options
+        if broken := [f"lane {name}: " + "; ".join(problems) for name, lane in settings.items()
+                      if (problems := violations(lane, o.timeout))]:
+            raise ConfigurationError("; ".join(broken))
+        metrics = Metrics(o.metrics_port) if o.metrics_port is not None else None
+        watchdog = Watchdog(self.dsn)
+        watchdog.start()
+        lanes = [ServedLane(settings[name], n, handler, watchdog, timeout=o.timeout,
+                            recover_interval=o.recover_interval, metrics=metrics.lane(name) if metrics else None)
+                 for name, (n, handler) in self.plan.items()]
+        refresher = asyncio.ensure_future(metrics.refresh_forever(self.dsn)) if metrics is not None else None
+        for lane in lanes:
+            s = lane.settings
+            log.info("worker %s for lane %s (%s slot(s), job timeout %gs, hard timeout %gs, lease %gs)", self.name,
+                     s.name, s.slots, s.job_timeout, lane.caller.hard_timeout, s.lease_timeout)
+            if lane.slots > s.slots:
+                log.warning("lane %s has %s slot(s) and this worker asks for %s: %s will wait as standby until the "
+                            "lane has more (pglane lane set %s --slots N)", s.name, s.slots, lane.slots,
+                            lane.slots - s.slots, s.name)
+        self.slots = [SlotLoop(lane, self.lifetime, self.name, poll_interval=o.poll_interval, connect=self._connect,
+                               claim=self._claim) for lane in lanes for _ in range(lane.slots)]
         try:
-            await self._serve_until_stopped(lane)
+            failure = await self._run_slots()
         finally:
-            self.runner.shutdown()
+            for lane in lanes:
+                lane.shutdown()
             if refresher is not None:
                 refresher.cancel()
                 await asyncio.gather(refresher, return_exceptions=True)
-            if self._metrics is not None:
-                self._metrics.close()
+            if metrics is not None:
+                metrics.close()
         log.info("worker %s stopped after %s job(s)", self.name, self.jobs_run)
-        if (unstored := self._outbox.held) is not None:
-            job = unstored.claim.job
+        unstored = self._log_unstored()
+        if self.lifetime.hung is not None:
+            log.error("%s: exiting %s to be restarted (every lane of this process was stopped; its other calls "
+                      "finished first)", self.lifetime.hung, EXIT_HUNG)
+            logging.shutdown()
+            os._exit(EXIT_HUNG)  # the hung thread cannot be stopped, nor joined: the process must go
+        if failure is not None:
+            raise failure
+        return EXIT_UNSTORED if unstored else EXIT_OK
+
+    async def _run_slots(self) -> BaseException | None:
+        """Run every slot loop until each has ended; the first unexpected error stops the process (the
+        other slots finish their calls) and is returned."""
+        failure: BaseException | None = None
+        tasks = [asyncio.ensure_future(slot.run()) for slot in self.slots]
+        for ended in asyncio.as_completed(tasks):
+            try:
+                await ended
+            except Exception as exc:
+                log.error("a slot of this worker failed (%s: %s): stopping the worker", type(exc).__name__,
+                          first_line(exc))
+                failure = failure or exc
+                self.stop("a slot failed")
+        return failure
+
+    def _log_unstored(self) -> bool:
+        """Log, at ERROR, how to store each outcome a slot could not (the database unreachable); any?"""
+        unstored = [slot.outbox.held for slot in self.slots if slot.outbox.held is not None]
+        for held in unstored:
+            job = held.claim.job
             log.error("stopped before the database took the outcome of attempt %s of job %s: it is not stored; "
                       "recovery will mark the attempt lost, and then this statement stores it as a late result: %s",
-                      job.attempt_id, job.id, unstored.statement())
-            return EXIT_UNSTORED
-        return EXIT_OK
+                      job.attempt_id, job.id, held.statement())
+        return bool(unstored)
 
-    def _load_lane(self) -> Lane:
+    def _load_lanes(self) -> dict[str, Lane]:
+        """Every lane served, as the database has it now; UnknownLane naming each that is not there."""
         try:
             conn = psycopg.connect(self.dsn, autocommit=True)
         except psycopg.OperationalError as exc:
             raise DatabaseUnavailable(f"cannot connect to the database ({first_line(exc)}); check "
                                       "--dsn / PGLANE_DSN") from None
         with conn:
-            row = conn.execute(queries.LANES, {"name": self.lane_name}).fetchone()
-        return self._lane_from(row)
+            rows = {name: conn.execute(queries.LANES, {"name": name}).fetchone() for name in self.plan}
+        if len(missing := [name for name, row in rows.items() if row is None]) > 1:
+            raise UnknownLane(f"unknown lanes {', '.join(map(repr, missing))}; create each with: pglane lane "
+                              "create NAME")
+        return {name: Lane.from_row(row, name) for name, row in rows.items()}  # one unknown: UnknownLane
 
-    def _lane_from(self, row: Any) -> Lane:
-        if row is None:
-            raise UnknownLane(f"unknown lane {self.lane_name!r}; create it with: pglane lane create {self.lane_name}")
-        if isinstance(row, dict):
-            row = tuple(row.values())
-        lane_id, name, slots, job_timeout, lease_timeout, _, _, max_result_bytes, takeover = row
-        return Lane(lane_id, name, slots, job_timeout, lease_timeout, max_result_bytes, takeover)
+    # ----- what every slot loop gets from the process -----------------------------------------
 
-    def _reload_lane(self, session: LockSession, lane: Lane) -> Lane:
-        """The lane's settings as they are now (pglane lane set changes them while workers run): read at
-        each session's start and after the lane's news, before the next claim. Slots apply to this
-        session's next claim (one above the lane's slots is refused, and the worker takes a slot again),
-        the timeouts to the next call."""
-        session.news = False
-        new = self._lane_from(session.execute(queries.LANES, {"name": self.lane_name}))
-        if new != lane:
-            hard = self.options.timeout or timing.default_worker_timeout(new.job_timeout, new.lease_timeout)
-            broken = timing.Timeouts(job=new.job_timeout, lease=new.lease_timeout, worker=hard).violations()
-            for problem in broken:
-                log.error("lane %s's new settings break a timing rule: %s", new.name, problem)
-            self._caller.job_timeout, self._caller.hard_timeout = new.job_timeout, hard
-            self._caller.max_result_bytes = new.max_result_bytes
-            session.slots = new.slots
-            log.info("lane %s settings now: %s slot(s), job timeout %gs, hard timeout %gs, lease %gs",
-                     new.name, new.slots, new.job_timeout, hard, new.lease_timeout)
-        return new
-
-    # ----- sessions, one after another: connecting, with the backoff -------------------------
-
-    async def _serve_until_stopped(self, lane: Lane) -> None:
-        """Sessions one after another until there is nothing left to do (module doc: connecting). Asked
-        to stop, one more session is tried (to deliver an outcome still held); if it fails too, give up."""
-        last_try = False
-
-        def give_up(_: RetryCallState) -> bool:
-            return last_try or not self._work_left()
-
-        while self._work_left():
-            reconnecting = AsyncRetrying(  # begun afresh after a session that got a job done
-                retry=retry_if_exception_type(SESSION_ENDS), wait=wait_exponential(multiplier=0.1, max=5.0),
-                stop=give_up, sleep=self.lifetime.nap, before_sleep=_log_retry)
-            try:
-                async for attempt in reconnecting:
-                    with attempt:
-                        if not self._work_left():
-                            return  # stopped during a backoff, with no outcome to deliver
-                        last_try = self.lifetime.stopping
-                        await self._serve(lane)
-            except RetryError as exc:
-                _log_session_end(exc.last_attempt.exception(), "not reconnecting: the worker is stopping")
-                return
-
-    def _work_left(self) -> bool:
-        return not self.lifetime.done() or self._outbox.held is not None
-
-    async def _serve(self, lane: Lane) -> None:
-        """One session, until done. A database error ends it: raised for a backoff, unless the session
-        got a job done (then it returns, and the next session begins at once, its backoff afresh)."""
-        jobs = self.jobs_run
-        try:
-            await self._session(lane)
-        except SESSION_ENDS as exc:
-            if self.jobs_run == jobs:
-                raise
-            _log_session_end(exc, "reconnecting")
-
-    async def _session(self, lane: Lane) -> None:
-        """Connect, deliver an outcome still held, LISTEN, take a slot (or wait as a standby), recover, drain."""
-        try:
-            session = LockSession.connect(self.dsn, lane.id, lane.slots, f"{lane.name} {self.name}",
-                                          self.options.liveness)
-        except psycopg.OperationalError as exc:
-            raise DatabaseUnavailable(first_line(exc)) from None
-        try:
-            self._outbox.store(session)
-            lane = self._lane = self._reload_lane(session, lane)
-            session.listen()  # before the standby's wait: the lane's news (more slots) must reach it
-            if self.lifetime.done() or not await self._take_slot(session, lane):
-                return
-            if self._metrics is not None:
-                self._metrics.slot_held.set(1)
-            self._recover(session)
-            await self._drain(session)
-        finally:
-            if self._metrics is not None:
-                self._metrics.slot_held.set(0)
-            session.release()
-
-    async def _take_slot(self, session: LockSession, lane: Lane) -> bool:
-        """Take a free slot, or wait as a standby until one frees (or the lane gets more slots: its news,
-        or each poll interval, reads the lane again); False if asked to stop first."""
-        if not session.try_take():
-            log.info("standby: all %s slot(s) of lane %s are held; waiting to take over", lane.slots, lane.name)
-            if not await session.wait_take(self.lifetime.stop_requested, lambda: self._standby_reread(session),
-                                           self.options.poll_interval):
-                return False
-        log.info("holding slot %s of lane %s", session.slot, lane.name)
-        return True
-
-    def _standby_reread(self, session: LockSession) -> None:
-        self._lane = self._reload_lane(session, self._lane)
-
-    # ----- holding the slot: run the job held, else wait and claim ---------------------------
-
-    async def _drain(self, session: LockSession) -> None:
-        """Holding the slot, until done: run the job held, else wait and claim (module doc)."""
-        claim = self._claim(session)
-        turn = time.monotonic() + LOOP_TURN
-        while claim is not None or not self.lifetime.done():
-            if session.news:  # pglane lane set changed the lane: its settings apply from here
-                self._lane = self._reload_lane(session, self._lane)
-            if claim is not None:
-                outcome = await self._call(session, claim)
-                self.lifetime.jobs_run += 1
-                claim = self._store_and_claim(session, claim, outcome)
-                if time.monotonic() >= turn:  # SIGTERM's handler runs on a turn of the loop: give it one
-                    await asyncio.sleep(0)
-                    turn = time.monotonic() + LOOP_TURN
-            else:
-                claim = await self._wait_and_claim(session)
-
-    def _call(self, session: LockSession, claim: Claim) -> Coroutine[Any, Any, Outcome]:
-        """Calling (pglane.call); a plain method handing on the call's coroutine, so it costs no second one."""
-        return self._caller.call(session, claim)
-
-    async def _wait_and_claim(self, session: LockSession) -> Claim | None:
-        """Idle: recover the lane if due (when idle, and between jobs of a long busy spell), else wait for
-        a wake-up, no sooner than the pacing allows; then claim. None once done."""
-        if self.lifetime.recovery_due():
-            self._recover(session)
-        else:
-            await self._idle(session)
-            if self.lifetime.done():
-                return None
-            if (gap := self._pacing.next_claim_at() - time.monotonic()) > 0:
-                await self.lifetime.nap(gap)
-        claim = self._claim(session)
-        if claim is not None:
-            # Only now may the wake-up be forgotten: the loop claims again before it waits, so a NOTIFY
-            # read with this claim is answered by that one. After an empty claim, one read with it may be
-            # for a job committed after its snapshot: it stays, and ends the next wait.
-            session.forget_wakes()
-        return claim
-
-    async def _idle(self, session: LockSession) -> None:
-        """Wait for a NOTIFY, the poll interval, the next recovery, the pacing's bound, the end of life,
-        or a stop."""
-        now = time.monotonic()
-        bounds = (self.options.poll_interval, self.lifetime.recover_in(now), self._pacing.wait_bound(now),
-                  self.lifetime.ends_in(now))
-        timeout = min(b for b in bounds if b is not None)
-        if self.lifetime.stopping:
-            return
-        with self.lifetime.interrupting(session):
-            if self._pacing.sleeps_through_jobs:
-                await session.wait_for_news(timeout)
-            else:
-                await session.wait_for_wake(timeout)
-
-    def _recover(self, session: LockSession) -> None:
-        row = session.execute(queries.RECOVER, (self.lane_name,))
-        if row and row["recover"]:
-            log.warning("recovered %s attempt(s) of lane %s whose worker was gone (marked lost)",
-                        row["recover"], self.lane_name)
-        self.lifetime.recovered()
-
-    # ----- claim and store ------------------------------------------------------------------
+    def _connect(self, lane: ServedLane) -> LockSession:
+        """A session of its own for a slot of ``lane``: a dedicated lock connection."""
+        s = lane.settings
+        return LockSession.connect(self.dsn, s.id, s.slots, f"{s.name} {self.name}", self.options.liveness)
 
     def _claim(self, session: LockSession) -> Claim | None:
-        return self._claim_round_trip(session, queries.CLAIM_OR_WAIT, (self.lane_name, self.name))[0]
-
-    def _claim_round_trip(self, session: LockSession, query: LiteralString,
-                          params: tuple[Any, ...]) -> tuple[Claim | None, dict[str, Any] | None]:
-        """Run a statement that claims (claim_or_wait, or complete_and_claim): the claim its row holds,
-        stamped with when the statement was sent (the call's deadlines count from then), and the row;
-        the row's pacing kept. The one place that times a claim (the claim latency metric) and turns the
-        database's refusal of a claim into SlotLost."""
-        sent = time.monotonic()
-        try:
-            row = session.execute(query, params)
-        except psycopg.Error as exc:
-            if isinstance(translate(exc), NoSlotHeld):
-                raise SlotLost(first_line(exc)) from None
-            raise
-        now = time.monotonic()
-        if self._metrics is not None:
-            self._metrics.claim_latency.observe(now - sent)
-        claim = Claim.from_row(row, sent)
-        self._pacing = Pacing.from_row(row, claim is not None, now)
-        return claim, row
-
-    def _store_and_claim(self, session: LockSession, claim: Claim, outcome: Outcome) -> Claim | None:
-        """Store the outcome and claim the next job: one round trip for a result (the fast path). Only
-        stored, nothing claimed, when the worker is done, a recovery is due (it runs first), or the
-        lane's rate limit said this slot's next start must wait."""
-        self._outbox.hold(claim, outcome)
-        if self.lifetime.done() or self.lifetime.recovery_due() or self._pacing.holds_start(time.monotonic()):
-            self._outbox.store(session)
-            return None
-        if outcome.result_json is None:
-            self._outbox.store(session)
-            return self._claim(session)
-        try:
-            claimed, row = self._claim_round_trip(
-                session, queries.COMPLETE_AND_CLAIM,
-                (claim.job.attempt_id, outcome.result_json, self.lane_name, self.name, claim.token))
-        except psycopg.Error as exc:
-            if session_lost(session, exc):
-                raise
-            self._outbox.store(session)  # alone: the database refused the result, or the claim
-            return self._claim(session)
-        assert row is not None
-        self._outbox.stored(bool(row["completed"]))
-        return claimed
-
-
-def _log_retry(state: RetryCallState) -> None:
-    exc = state.outcome.exception() if state.outcome is not None else None
-    _log_session_end(exc, f"reconnecting in {state.upcoming_sleep:.1f}s")
-
-
-def _log_session_end(exc: BaseException | None, then: str) -> None:
-    """One line per session that ended (so one per backoff step: never a flood), saying why."""
-    if isinstance(exc, psycopg.Error) and exc.sqlstate == READ_ONLY:
-        log.warning("the server is read-only (a standby, or a primary being demoted: %s); %s; point the DSN at "
-                    "the primary, e.g. host=a,b target_session_attrs=read-write", first_line(exc), then)
-    elif isinstance(exc, DatabaseUnavailable):
-        log.warning("cannot reach the database (%s); %s", first_line(exc), then)
-    elif isinstance(exc, psycopg.OperationalError | NoSlotHeld):
-        log.warning("lost the slot session (%s); %s", first_line(exc), then)
-    else:
-        log.error("database error (%s); %s", first_line(exc), then)
-
-
+        """Every claim_or_wait of every slot goes through here, on the slot's session, for the slot whose
+        task runs it (a subclass may watch the claims)."""
+        return running().claim(session)

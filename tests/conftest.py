@@ -215,9 +215,14 @@ class Workers:
 
     def start(self, lane: str, handler: str = "tests.handlers:paid_call", *args: str,
               env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        return self.start_lanes([lane], "--handler", handler, *args, env=env)
+
+    def start_lanes(self, lanes: Iterable[str], *args: str, env: dict[str, str] | None = None
+                    ) -> subprocess.Popen[bytes]:
+        """One worker process for many lanes: `pglane worker LANE[=N]... ARGS` (ARGS holds the --handler)."""
         log = open(self.tmp_path / f"worker-{len(self.procs)}.log", "wb")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pglane", "worker", lane, "--handler", handler, *args],
+            [sys.executable, "-m", "pglane", "worker", *lanes, *args],
             env={**os.environ, "PGLANE_DSN": self.dsn, LEDGER_ENV: str(self.ledger.path), **(env or {})},
             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
         )

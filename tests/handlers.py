@@ -98,6 +98,11 @@ def echo(job: Job) -> Any:
     return {"echo": job.payload}
 
 
+def lane_and_seq(job: Job) -> Any:
+    """What a handler serving many lanes tells them apart by: job.lane (and the lane's seq)."""
+    return {"lane": job.lane, "seq": job.seq}
+
+
 NOT_CALLABLE = {"a": "dict"}  # a handler spec naming this is refused: not callable
 
 

@@ -1,0 +1,103 @@
+"""A lane as one worker process serves it: its settings as last read, and what the process's slots of
+the lane share — the ``Caller`` (the lane's job and hard timeouts, the handler's threads), the recovery
+timer and the lane's metrics.
+
+Invariants:
+- the settings apply to every slot of the lane in the process from the statement after they are read:
+  the timeouts to the next call, the lane's slot count to each session's next take or claim (each session
+  reads the lane's news on its own connection and sets its own ``slots``);
+- the hard timeout is the worker's ``--timeout``, else the lane's job timeout plus the margin inside its
+  lease (pglane.timing): one lane's timeouts never change another lane's.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from . import queries, timing
+from .call import Caller, Watchdog
+from .errors import UnknownLane
+from .handler import Handler, Runner
+from .lifetime import Recovery
+from .metrics import LaneMetrics
+from .slot import LockSession
+
+log = logging.getLogger("pglane.worker")
+
+
+@dataclass(frozen=True)
+class Lane:
+    id: int
+    name: str
+    slots: int
+    job_timeout: float
+    lease_timeout: float
+    max_result_bytes: int
+    takeover: str
+
+    @classmethod
+    def from_row(cls, row: Any, name: str) -> Lane:
+        """The settings in a row of queries.LANES; UnknownLane when there is none."""
+        if row is None:
+            raise UnknownLane(f"unknown lane {name!r}; create it with: pglane lane create {name}")
+        if isinstance(row, dict):
+            row = tuple(row.values())
+        lane_id, lane_name, slots, job_timeout, lease_timeout, _, _, max_result_bytes, takeover = row
+        return cls(lane_id, lane_name, slots, job_timeout, lease_timeout, max_result_bytes, takeover)
+
+
+def hard_timeout(lane: Lane, timeout: float | None) -> float:
+    """The worker's --timeout (``timeout``), else the lane's job timeout plus the margin inside its lease."""
+    return timeout or timing.default_worker_timeout(lane.job_timeout, lane.lease_timeout)
+
+
+def violations(lane: Lane, timeout: float | None) -> list[str]:
+    """The timing rules the lane's settings break with the worker's hard timeout (pglane.timing)."""
+    return timing.Timeouts(job=lane.job_timeout, lease=lane.lease_timeout,
+                           worker=hard_timeout(lane, timeout)).violations()
+
+
+class ServedLane:
+    """One lane served by ``slots`` slot loops of a process (pglane.slotloop)."""
+
+    def __init__(self, settings: Lane, slots: int, handler: Handler, watchdog: Watchdog, *,
+                 timeout: float | None, recover_interval: float, metrics: LaneMetrics | None) -> None:
+        self.name = settings.name
+        self.settings = settings  # as last read (the process's start, each session's start, the lane's news)
+        self.slots = slots  # how many slots of the lane the process takes (each a slot loop)
+        self._timeout = timeout  # the worker's --timeout, if given: the hard timeout of every lane
+        self.metrics = metrics
+        self.recovery = Recovery(recover_interval)
+        self.caller = Caller(Runner(handler, threads=slots), watchdog, settings.job_timeout,
+                             hard_timeout(settings, timeout), settings.max_result_bytes, metrics)
+
+    def reload(self, session: LockSession) -> None:
+        """The lane's settings as they are now (pglane lane set changes them while workers run): read at
+        each session's start and after the lane's news, before the next claim. Slots apply to this
+        session's next claim (one above the lane's slots is refused, and the slot loop takes a slot
+        again), the timeouts to the next call of any slot of the lane."""
+        session.news = False
+        new = Lane.from_row(session.execute(queries.LANES, {"name": self.name}), self.name)
+        session.slots = new.slots
+        if new == self.settings:
+            return  # read already, by another slot of the lane that had the news first
+        for problem in violations(new, self._timeout):
+            log.error("lane %s's new settings break a timing rule: %s", new.name, problem)
+        hard = hard_timeout(new, self._timeout)
+        self.caller.job_timeout, self.caller.hard_timeout = new.job_timeout, hard
+        self.caller.max_result_bytes = new.max_result_bytes
+        self.settings = new
+        log.info("lane %s settings now: %s slot(s), job timeout %gs, hard timeout %gs, lease %gs",
+                 new.name, new.slots, new.job_timeout, hard, new.lease_timeout)
+
+    def recover(self, session: LockSession) -> None:
+        row = session.execute(queries.RECOVER, (self.name,))
+        if row and row["recover"]:
+            log.warning("recovered %s attempt(s) of lane %s whose worker was gone (marked lost)",
+                        row["recover"], self.name)
+        self.recovery.done()
+
+    def shutdown(self) -> None:
+        self.caller.runner.shutdown()

@@ -1,0 +1,320 @@
+"""The slot loop: hold one slot of one lane, claim, call the handler, write the outcome; survive the rest.
+
+A worker process runs one slot loop per slot it serves, each in a task of its own on the process's one
+event loop (pglane.worker). Owns the sequence of one slot; the lane's settings, caller and recovery timer
+belong to pglane.lane (shared by the process's slots of the lane), the call and its timeouts to
+pglane.call, the slot session to pglane.slot, the outcome not yet stored to pglane.outbox, what the last
+claim said about the next one to pglane.pacing, and when the process stops to pglane.lifetime. Its
+states, and where each one leads:
+
+    state            what happens                                              leads to
+    connecting       a session is opened (after a backoff, see below); an      standby; holding
+                     outcome still pending is written first
+    standby          every slot is held: wait for one to free, listening: the  holding; stopping
+                     lane's news, or each poll interval, reads its slots again
+    holding, idle    on taking the slot (LISTENing already): recover, claim.   calling; stopping
+                     With no job: recover if due, else wait for a NOTIFY, the
+                     poll interval, the recovery timer or the claim's pacing
+                     (a lease's end, the rate limit's turn); claim again
+    calling          the handler runs on the claimed job (pglane.call)         writing; hung
+    writing          the outcome goes through the guarded complete()/fail();   calling; idle; pending;
+                     on the fast path (no stop, no recovery due) fused with    stopping
+                     the next claim in one round trip (complete_and_claim)
+    pending outcome  the session died before the outcome was written: it is    connecting
+                     kept
+    hung             the handler outlived the hard timeout: its attempt is     the process's exit 75
+                     recorded timed_out, the process stops; the session (and
+                     the slot) is kept until the process exits
+    stopping         SIGTERM/SIGINT, --max-jobs, --max-lifetime, another        the slot loop ends
+                     slot's hang: the call in progress ends, its outcome is
+                     written, the slot released
+
+A database error or a lost session, in any state with a session, leads back to connecting: at once
+after a session that got a job done, else after a backoff (tenacity: 0.1 s doubling up to 5 s, so a
+repeated error is never spun on) that a stop request cuts short. Asked to stop, the slot loop makes one
+more attempt, to deliver a pending outcome, and gives up if that fails too (the process then logs the
+statement that stores it and exits 69).
+
+Invariants:
+- a claim commits before the handler runs, and runs on the slot session (the database refuses others);
+- every outcome is written through the guarded pglane.complete()/fail(), so a late or zombie write can
+  never overwrite a newer attempt; an outcome that could not be written (the connection died) stays
+  in the outbox and is delivered first after reconnecting;
+- a stop never cuts a call off: the slot loop finishes the current call, writes its outcome and
+  releases the slot;
+- the slot loop talks to its session only through LockSession's methods, and never blocks the event
+  loop longer than one statement's round trip: the other slots of the process run meanwhile;
+- no claim is sent once the process is done (``Lifetime.done()`` is read, with no await between, before
+  every claim), so --max-jobs bounds the claims of all the process's slots together;
+- no NOTIFY is dropped unanswered: one is forgotten only after a claim that found a job (another claim
+  follows before any wait); one read during an empty claim may announce a job committed after that
+  claim's snapshot, so it ends the next wait at once. A lost one would cost a poll interval.
+How it breaks: if the slot session dies during a call, another worker may take the slot and start
+the next job while this call finishes; this call's result is then still accepted under the
+late-result rule, and the one-slot promise resumes once this slot loop is a standby.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from contextvars import ContextVar
+from typing import Any, LiteralString
+
+import psycopg
+from tenacity import AsyncRetrying, RetryCallState, RetryError, retry_if_exception_type, wait_exponential
+
+from . import queries
+from .call import Hung
+from .errors import DatabaseUnavailable, NoSlotHeld, SlotLost, first_line, translate
+from .handler import Outcome
+from .job import Claim
+from .lane import ServedLane
+from .lifetime import Lifetime
+from .outbox import Outbox, session_lost
+from .pacing import Pacing
+from .slot import LockSession
+
+log = logging.getLogger("pglane.worker")
+
+SESSION_ENDS = (psycopg.Error, NoSlotHeld, DatabaseUnavailable)  # what ends a session: back to connecting
+READ_ONLY = "25006"  # read_only_sql_transaction: what a standby or a demoted primary answers a write
+# Back-to-back jobs whose handler never suspends (an async handler with nothing to await) never give
+# the event loop a turn, and a stop signal (or another slot) gets one only then: the drain yields at
+# least this often.
+LOOP_TURN = 0.05
+
+_RUNNING: ContextVar[SlotLoop] = ContextVar("pglane_slot_loop")  # the slot loop whose task this is
+
+
+def running() -> SlotLoop:
+    """The slot loop whose task is running (each slot loop runs in a task of its own)."""
+    return _RUNNING.get()
+
+
+class SlotLoop:
+    """One slot of one lane, held in turn by sessions; its own state is the last claim's pacing
+    (pglane.pacing) and the outcome not yet stored (pglane.outbox). It gets its sessions from ``connect``
+    and uses them through LockSession's methods only; ``claim`` is the process's claim hook
+    (``Worker._claim``), through which every claim_or_wait of this slot goes."""
+
+    def __init__(self, lane: ServedLane, lifetime: Lifetime, name: str, *, poll_interval: float,
+                 connect: Callable[[ServedLane], LockSession], claim: Callable[[LockSession], Claim | None]) -> None:
+        self.lane = lane
+        self.lifetime = lifetime
+        self.name = name  # the worker's name, recorded on attempts
+        self.poll_interval = poll_interval
+        self._connect = connect  # opens a session for a slot of the lane (the process's: Worker._connect)
+        self._claim = claim
+        self.outbox = Outbox(lane.metrics)
+        self.jobs_run = 0  # calls this slot made to their end
+        self._pacing = Pacing.first()
+
+    async def run(self) -> None:
+        """Sessions one after another until there is nothing left to do (module doc: connecting). Asked
+        to stop, one more session is tried (to deliver an outcome still held); if it fails too, give up."""
+        _RUNNING.set(self)
+        last_try = False
+
+        def give_up(_: RetryCallState) -> bool:
+            return last_try or not self._work_left()
+
+        while self._work_left():
+            reconnecting = AsyncRetrying(  # begun afresh after a session that got a job done
+                retry=retry_if_exception_type(SESSION_ENDS), wait=wait_exponential(multiplier=0.1, max=5.0),
+                stop=give_up, sleep=self.lifetime.nap, before_sleep=_log_retry)
+            try:
+                async for attempt in reconnecting:
+                    with attempt:
+                        if not self._work_left():
+                            return  # stopped during a backoff, with no outcome to deliver
+                        last_try = self.lifetime.stopping
+                        await self._serve()
+            except RetryError as exc:
+                _log_session_end(exc.last_attempt.exception(), "not reconnecting: the worker is stopping")
+                return
+
+    def _work_left(self) -> bool:
+        return not self.lifetime.done() or self.outbox.held is not None
+
+    async def _serve(self) -> None:
+        """One session, until done. A database error ends it: raised for a backoff, unless the session
+        got a job done (then it returns, and the next session begins at once, its backoff afresh)."""
+        jobs = self.jobs_run
+        try:
+            await self._session()
+        except SESSION_ENDS as exc:
+            if self.jobs_run == jobs:
+                raise
+            _log_session_end(exc, "reconnecting")
+
+    async def _session(self) -> None:
+        """Connect, deliver an outcome still held, LISTEN, take a slot (or wait as a standby), recover, drain."""
+        lane = self.lane
+        try:
+            session = self._connect(lane)
+        except psycopg.OperationalError as exc:
+            raise DatabaseUnavailable(first_line(exc)) from None
+        held = False
+        try:
+            self.outbox.store(session)
+            lane.reload(session)
+            session.listen()  # before the standby's wait: the lane's news (more slots) must reach it
+            if self.lifetime.done() or not await self._take_slot(session):
+                return
+            held = True
+            if lane.metrics is not None:
+                lane.metrics.slot_held.inc()
+            lane.recover(session)
+            await self._drain(session)
+        except Hung as hung:
+            self.lifetime.recycle(str(hung), session)  # the session, and the slot, are held until the exit
+        finally:
+            if held and lane.metrics is not None:
+                lane.metrics.slot_held.dec()
+            if session not in self.lifetime.kept:
+                session.release()
+
+    async def _take_slot(self, session: LockSession) -> bool:
+        """Take a free slot, or wait as a standby until one frees (or the lane gets more slots: its news,
+        or each poll interval, reads the lane again); False if asked to stop first."""
+        lane = self.lane
+        if not session.try_take():
+            log.info("standby: all %s slot(s) of lane %s are held; waiting to take over", session.slots, lane.name)
+            if not await session.wait_take(self.lifetime.stop_requested, lambda: lane.reload(session),
+                                           self.poll_interval):
+                return False
+        log.info("holding slot %s of lane %s", session.slot, lane.name)
+        return True
+
+    # ----- holding the slot: run the job held, else wait and claim ---------------------------
+
+    async def _drain(self, session: LockSession) -> None:
+        """Holding the slot, until done: run the job held, else wait and claim (module doc)."""
+        claim = None if self.lifetime.done() else self._claim(session)  # done while this slot waited
+        turn = time.monotonic() + LOOP_TURN
+        while claim is not None or not self.lifetime.done():
+            if session.news:  # pglane lane set changed the lane: its settings apply from here
+                self.lane.reload(session)
+            if claim is not None:
+                outcome = await self._call(session, claim)
+                self.jobs_run += 1
+                self.lifetime.jobs_run += 1
+                claim = self._store_and_claim(session, claim, outcome)
+                if time.monotonic() >= turn:  # SIGTERM's handler runs on a turn of the loop: give it one
+                    await asyncio.sleep(0)
+                    turn = time.monotonic() + LOOP_TURN
+            else:
+                claim = await self._wait_and_claim(session)
+
+    def _call(self, session: LockSession, claim: Claim) -> Coroutine[Any, Any, Outcome]:
+        """Calling (pglane.call); a plain method handing on the call's coroutine, so it costs no second one."""
+        return self.lane.caller.call(session, claim)
+
+    async def _wait_and_claim(self, session: LockSession) -> Claim | None:
+        """Idle: recover the lane if due (when idle, and between jobs of a long busy spell), else wait for
+        a wake-up, no sooner than the pacing allows; then claim. None once done."""
+        if self.lane.recovery.due():
+            self.lane.recover(session)
+        else:
+            await self._idle(session)
+            if self.lifetime.done():
+                return None
+            if (gap := self._pacing.next_claim_at() - time.monotonic()) > 0:
+                await self.lifetime.nap(gap)
+                if self.lifetime.done():
+                    return None
+        claim = self._claim(session)
+        if claim is not None:
+            # Only now may the wake-up be forgotten: the loop claims again before it waits, so a NOTIFY
+            # read with this claim is answered by that one. After an empty claim, one read with it may be
+            # for a job committed after its snapshot: it stays, and ends the next wait.
+            session.forget_wakes()
+        return claim
+
+    async def _idle(self, session: LockSession) -> None:
+        """Wait for a NOTIFY, the poll interval, the lane's next recovery, the pacing's bound, the end of
+        life, or a stop."""
+        now = time.monotonic()
+        bounds = (self.poll_interval, self.lane.recovery.due_in(now), self._pacing.wait_bound(now),
+                  self.lifetime.ends_in(now))
+        timeout = min(b for b in bounds if b is not None)
+        if self.lifetime.stopping:
+            return
+        with self.lifetime.interrupting(session):
+            if self._pacing.sleeps_through_jobs:
+                await session.wait_for_news(timeout)
+            else:
+                await session.wait_for_wake(timeout)
+
+    # ----- claim and store ------------------------------------------------------------------
+
+    def claim(self, session: LockSession) -> Claim | None:
+        """Claim a job of the lane on the session (claim_or_wait); the process's claim hook ends here."""
+        return self._claim_round_trip(session, queries.CLAIM_OR_WAIT, (self.lane.name, self.name))[0]
+
+    def _claim_round_trip(self, session: LockSession, query: LiteralString,
+                          params: tuple[Any, ...]) -> tuple[Claim | None, dict[str, Any] | None]:
+        """Run a statement that claims (claim_or_wait, or complete_and_claim): the claim its row holds,
+        stamped with when the statement was sent (the call's deadlines count from then), and the row;
+        the row's pacing kept, a job claimed counted. The one place that times a claim (the claim latency
+        metric) and turns the database's refusal of a claim into SlotLost."""
+        sent = time.monotonic()
+        try:
+            row = session.execute(query, params)
+        except psycopg.Error as exc:
+            if isinstance(translate(exc), NoSlotHeld):
+                raise SlotLost(first_line(exc)) from None
+            raise
+        now = time.monotonic()
+        if self.lane.metrics is not None:
+            self.lane.metrics.claim_latency.observe(now - sent)
+        claim = Claim.from_row(row, sent)
+        if claim is not None:
+            self.lifetime.claimed += 1
+        self._pacing = Pacing.from_row(row, claim is not None, now)
+        return claim, row
+
+    def _store_and_claim(self, session: LockSession, claim: Claim, outcome: Outcome) -> Claim | None:
+        """Store the outcome and claim the next job: one round trip for a result (the fast path). Only
+        stored, nothing claimed, when the process is done, the lane's recovery is due (it runs first), or
+        the lane's rate limit said this slot's next start must wait."""
+        self.outbox.hold(claim, outcome)
+        if self.lifetime.done() or self.lane.recovery.due() or self._pacing.holds_start(time.monotonic()):
+            self.outbox.store(session)
+            return None
+        if outcome.result_json is None:
+            self.outbox.store(session)
+            return self._claim(session)
+        try:
+            claimed, row = self._claim_round_trip(
+                session, queries.COMPLETE_AND_CLAIM,
+                (claim.job.attempt_id, outcome.result_json, self.lane.name, self.name, claim.token))
+        except psycopg.Error as exc:
+            if session_lost(session, exc):
+                raise
+            self.outbox.store(session)  # alone: the database refused the result, or the claim
+            return self._claim(session)
+        assert row is not None
+        self.outbox.stored(bool(row["completed"]))
+        return claimed
+
+
+def _log_retry(state: RetryCallState) -> None:
+    exc = state.outcome.exception() if state.outcome is not None else None
+    _log_session_end(exc, f"reconnecting in {state.upcoming_sleep:.1f}s")
+
+
+def _log_session_end(exc: BaseException | None, then: str) -> None:
+    """One line per session that ended (so one per backoff step: never a flood), saying why."""
+    if isinstance(exc, psycopg.Error) and exc.sqlstate == READ_ONLY:
+        log.warning("the server is read-only (a standby, or a primary being demoted: %s); %s; point the DSN at "
+                    "the primary, e.g. host=a,b target_session_attrs=read-write", first_line(exc), then)
+    elif isinstance(exc, DatabaseUnavailable):
+        log.warning("cannot reach the database (%s); %s", first_line(exc), then)
+    elif isinstance(exc, psycopg.OperationalError | NoSlotHeld):
+        log.warning("lost the slot session (%s); %s", first_line(exc), then)
+    else:
+        log.error("database error (%s); %s", first_line(exc), then)
