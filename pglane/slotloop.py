@@ -60,7 +60,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from contextvars import ContextVar
 from typing import Any, LiteralString
 
 import psycopg
@@ -86,14 +85,6 @@ READ_ONLY = "25006"  # read_only_sql_transaction: what a standby or a demoted pr
 # least this often.
 LOOP_TURN = 0.05
 
-_RUNNING: ContextVar[SlotLoop] = ContextVar("pglane_slot_loop")  # the slot loop whose task this is
-
-
-def running() -> SlotLoop:
-    """The slot loop whose task is running (each slot loop runs in a task of its own)."""
-    return _RUNNING.get()
-
-
 class SlotLoop:
     """One slot of one lane, held in turn by sessions; its own state is the last claim's pacing
     (pglane.pacing) and the outcome not yet stored (pglane.outbox). It gets its sessions from ``connect``
@@ -101,7 +92,8 @@ class SlotLoop:
     (``Worker._claim``), through which every claim_or_wait of this slot goes."""
 
     def __init__(self, lane: ServedLane, lifetime: Lifetime, name: str, *, poll_interval: float,
-                 connect: Callable[[ServedLane], LockSession], claim: Callable[[LockSession], Claim | None]) -> None:
+                 connect: Callable[[ServedLane], LockSession],
+                 claim: Callable[[SlotLoop, LockSession], Claim | None]) -> None:
         self.lane = lane
         self.lifetime = lifetime
         self.name = name  # the worker's name, recorded on attempts
@@ -115,7 +107,6 @@ class SlotLoop:
     async def run(self) -> None:
         """Sessions one after another until there is nothing left to do (module doc: connecting). Asked
         to stop, one more session is tried (to deliver an outcome still held); if it fails too, give up."""
-        _RUNNING.set(self)
         last_try = False
 
         def give_up(_: RetryCallState) -> bool:
@@ -193,7 +184,7 @@ class SlotLoop:
 
     async def _drain(self, session: LockSession) -> None:
         """Holding the slot, until done: run the job held, else wait and claim (module doc)."""
-        claim = None if self.lifetime.done() else self._claim(session)  # done while this slot waited
+        claim = None if self.lifetime.done() else self._claim(self, session)  # done while this slot waited
         turn = time.monotonic() + LOOP_TURN
         while claim is not None or not self.lifetime.done():
             if session.news:  # pglane lane set changed the lane: its settings apply from here
@@ -226,7 +217,7 @@ class SlotLoop:
                 await self.lifetime.nap(gap)
                 if self.lifetime.done():
                     return None
-        claim = self._claim(session)
+        claim = self._claim(self, session)
         if claim is not None:
             # Only now may the wake-up be forgotten: the loop claims again before it waits, so a NOTIFY
             # read with this claim is answered by that one. After an empty claim, one read with it may be
@@ -287,7 +278,7 @@ class SlotLoop:
             return None
         if outcome.result_json is None:
             self.outbox.store(session)
-            return self._claim(session)
+            return self._claim(self, session)
         try:
             claimed, row = self._claim_round_trip(
                 session, queries.COMPLETE_AND_CLAIM,
@@ -296,7 +287,7 @@ class SlotLoop:
             if session_lost(session, exc):
                 raise
             self.outbox.store(session)  # alone: the database refused the result, or the claim
-            return self._claim(session)
+            return self._claim(self, session)
         assert row is not None
         self.outbox.stored(bool(row["completed"]))
         return claimed

@@ -55,7 +55,7 @@ from .lane import Lane, ServedLane, violations
 from .lifetime import Lifetime
 from .metrics import Metrics
 from .slot import LIVENESS, LockSession
-from .slotloop import SlotLoop, running
+from .slotloop import SlotLoop
 
 log = logging.getLogger("pglane.worker")
 
@@ -229,7 +229,7 @@ class Worker:
         s = lane.settings
         return LockSession.connect(self.dsn, s.id, s.slots, f"{s.name} {self.name}", self.options.liveness)
 
-    def _claim(self, session: LockSession) -> Claim | None:
-        """Every claim_or_wait of every slot goes through here, on the slot's session, for the slot whose
-        task runs it (a subclass may watch the claims)."""
-        return running().claim(session)
+    def _claim(self, slot: SlotLoop, session: LockSession) -> Claim | None:
+        """Every claim_or_wait of every slot goes through here, on the slot's session (a subclass may
+        watch the claims)."""
+        return slot.claim(session)

@@ -17,6 +17,7 @@ import pytest
 import pglane
 from pglane.job import Claim
 from pglane.slot import LockSession
+from pglane.slotloop import SlotLoop
 from pglane.worker import Worker, WorkerOptions
 from tests.conftest import Ledger, Workers, claim, metrics_port, scrape, slot_holder, take_slot, terminate, wait_until
 
@@ -93,8 +94,8 @@ class JobJustAfterAnEmptyClaim(Worker):
         self.armed = threading.Event()
         self.job: int | None = None
 
-    def _claim(self, session: LockSession) -> Claim | None:
-        job = super()._claim(session)
+    def _claim(self, slot: SlotLoop, session: LockSession) -> Claim | None:
+        job = super()._claim(slot, session)
         if job is None and self.armed.is_set():
             self.armed.clear()
             with pglane.connect(self.dsn) as other:
