@@ -334,6 +334,31 @@ AS $$
     SELECT pglane.complete_impl(p_attempt_id, p_result, p_token);
 $$;
 
+-- outcome_job: the opening of fail() and defer(): the job of attempt p_attempt_id, locked, when the
+-- caller may write the attempt's outcome (it holds the token, or is the claiming session; PGL12
+-- otherwise, nothing written) and the job is running; NULL otherwise (no such attempt, or its job no
+-- longer running). complete_impl has its own, fused into its UPDATE (the fast path).
+CREATE OR REPLACE FUNCTION pglane.outcome_job(p_attempt_id bigint, p_token uuid) RETURNS pglane.jobs
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_job pglane.jobs;
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pglane.attempts a WHERE a.id = p_attempt_id
+                      AND (a.token = p_token OR pglane.may_write(p_token, a.token, a.backend_pid, a.backend_start, a.session_mark))) THEN
+        IF EXISTS (SELECT 1 FROM pglane.attempts a WHERE a.id = p_attempt_id) THEN
+            PERFORM pglane.not_the_claimer(p_attempt_id);
+        END IF;
+        RETURN NULL;
+    END IF;
+    SELECT j.* INTO v_job FROM pglane.jobs j
+     WHERE j.id = (SELECT a.job_id FROM pglane.attempts a WHERE a.id = p_attempt_id)
+       FOR UPDATE;
+    IF NOT FOUND OR v_job.status <> 'running' THEN
+        RETURN NULL;
+    END IF;
+    RETURN v_job;
+END $$;
+
 -- fail: record that attempt p_attempt_id failed (or timed out); true if it was accepted.
 -- Same guard as complete for a running attempt. It counts toward the lane's breaker (pause.sql). The job goes back to the queue after the lane's
 -- retry_backoff (doubling per attempt, capped at one hour) while attempts remain, else it is failed;
@@ -351,17 +376,8 @@ DECLARE
 BEGIN
     p_error := pglane.bounded_error(coalesce(nullif(btrim(p_error, E' \t\r\n'), ''),
                         'failed without a reason: the consumer called pglane.fail() with an empty error'));
-    IF NOT EXISTS (SELECT 1 FROM pglane.attempts a WHERE a.id = p_attempt_id
-                      AND (a.token = p_token OR pglane.may_write(p_token, a.token, a.backend_pid, a.backend_start, a.session_mark))) THEN
-        IF EXISTS (SELECT 1 FROM pglane.attempts a WHERE a.id = p_attempt_id) THEN
-            PERFORM pglane.not_the_claimer(p_attempt_id);
-        END IF;
-        RETURN false;
-    END IF;
-    SELECT j.* INTO v_job FROM pglane.jobs j
-     WHERE j.id = (SELECT a.job_id FROM pglane.attempts a WHERE a.id = p_attempt_id)
-       FOR UPDATE;
-    IF NOT FOUND OR v_job.status <> 'running' THEN
+    v_job := pglane.outcome_job(p_attempt_id, p_token);
+    IF v_job.id IS NULL THEN
         RETURN false;
     END IF;
 
@@ -404,17 +420,8 @@ BEGIN
     END IF;
     p_reason := 'deferred: ' || pglane.bounded_error(coalesce(nullif(btrim(p_reason, E' \t\r\n'), ''),
                                                               'no reason given'));
-    IF NOT EXISTS (SELECT 1 FROM pglane.attempts a WHERE a.id = p_attempt_id
-                      AND (a.token = p_token OR pglane.may_write(p_token, a.token, a.backend_pid, a.backend_start, a.session_mark))) THEN
-        IF EXISTS (SELECT 1 FROM pglane.attempts a WHERE a.id = p_attempt_id) THEN
-            PERFORM pglane.not_the_claimer(p_attempt_id);
-        END IF;
-        RETURN false;
-    END IF;
-    SELECT j.* INTO v_job FROM pglane.jobs j
-     WHERE j.id = (SELECT a.job_id FROM pglane.attempts a WHERE a.id = p_attempt_id)
-       FOR UPDATE;
-    IF NOT FOUND OR v_job.status <> 'running' THEN
+    v_job := pglane.outcome_job(p_attempt_id, p_token);
+    IF v_job.id IS NULL THEN
         RETURN false;
     END IF;
     UPDATE pglane.attempts a SET status = 'deferred', finished_at = now(), error = p_reason

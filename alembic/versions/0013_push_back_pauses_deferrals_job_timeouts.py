@@ -79,6 +79,7 @@ UNDO = """
     DROP VIEW pglane.job_status, pglane.lane_status;
     DROP FUNCTION pglane.enqueue(text, jsonb, text, timestamptz, text, integer, text, integer, interval);
     DROP FUNCTION pglane.defer(bigint, interval, text, uuid), pglane.deferrals(bigint),
+        pglane.outcome_job(bigint, uuid),
         pglane.pause_for(integer, timestamptz, interval, text, text, text, bigint[]),
         pglane.pause_lane(text, timestamptz, text), pglane.resume_lane(text), pglane.pause_wait(integer),
         pglane.pause_note(text, timestamptz, text, text, text, bigint[]),
