@@ -141,6 +141,17 @@ def _lane_slots(text: str) -> tuple[str, int]:
     return name, slots
 
 
+def _count(text: str) -> int:
+    """A whole number of at least 1 (worker's --slots-each)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of at least 1")
+    return value
+
+
 def _payload(text: str) -> Any:
     try:
         return json.loads(text)
@@ -287,9 +298,14 @@ def _work_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
 
     w = command("worker", "run a worker: one or more lanes, up to N slots of each, in one process",
                 json_flag=False)
-    w.add_argument("lanes", nargs="+", type=_lane_slots, metavar="LANE[=N]",
+    w.add_argument("lanes", nargs="*", type=_lane_slots, metavar="LANE[=N]",
                    help="a lane to serve and how many of its slots this process takes (default 1; a slot it cannot "
                    "take it waits for as a standby); name several and one process serves them all")
+    w.add_argument("--lanes-like", metavar="PATTERN",
+                   help="also serve every lane whose name matches this SQL LIKE pattern (e.g. 'tenant_%%'), the lanes "
+                   "created later included, and let go of each one deleted; a lane named as well is served as named")
+    w.add_argument("--slots-each", type=_count, default=1, metavar="N",
+                   help="how many slots of each lane found by --lanes-like this process takes (default 1)")
     w.add_argument("--handler", action="append", required=True, metavar="[LANE=]MODULE:CALLABLE",
                    help="a callable taking a pglane.Job, imported from the current directory first (as Celery does), "
                    "then from sys.path: LANE=MODULE:CALLABLE for that lane only, MODULE:CALLABLE for every lane "
@@ -508,13 +524,17 @@ def _worker(dsn: str, args: argparse.Namespace) -> int:
     from . import handler
     from .worker import Worker, WorkerOptions, plan
 
+    if args.slots_each != 1 and args.lanes_like is None:
+        raise ConfigurationError("--slots-each is the slot count of the lanes --lanes-like finds; give --lanes-like "
+                                 "PATTERN, or name each lane as LANE=N")
     lanes: dict[str, int] = {}
     for name, slots in args.lanes:
         if name in lanes:
             raise ConfigurationError(f"lane {name} is named twice; name it once, with its slots: {name}=N")
         lanes[name] = slots
     default, specs = _handler_specs(args.handler)
-    plan(lanes, default, specs)  # every lane has a handler, every handler a lane: before anything is imported
+    # every lane has a handler, every handler a lane: before anything is imported
+    plan(lanes, default, specs, args.lanes_like, args.slots_each)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s")
     pglane_level = logging.WARNING if args.quiet else logging.DEBUG if args.verbose else logging.INFO
@@ -528,7 +548,8 @@ def _worker(dsn: str, args: argparse.Namespace) -> int:
     handler.search_cwd()
     loaded = {spec: handler.load(spec) for spec in {*specs.values(), *([default] if default else [])}}
     return Worker(dsn, options=options, lanes=lanes, handler=loaded[default] if default else None,
-                  handlers={lane: loaded[spec] for lane, spec in specs.items()}).run()
+                  handlers={lane: loaded[spec] for lane, spec in specs.items()}, lanes_like=args.lanes_like,
+                  slots_each=args.slots_each).run()
 
 
 def _handler_specs(given: list[str]) -> tuple[str | None, dict[str, str]]:

@@ -7,12 +7,17 @@ Invariants:
   the timeouts to the next call, the lane's slot count to each session's next take or claim (each session
   reads the lane's news on its own connection and sets its own ``slots``);
 - the hard timeout is the worker's ``--timeout``, else the lane's job timeout plus the margin inside its
-  lease (pglane.timing): one lane's timeouts never change another lane's.
+  lease (pglane.timing): one lane's timeouts never change another lane's;
+- a lane served by pattern (``--lanes-like``) is ``retired`` once the database no longer has it (its
+  row gone, or its name now another lane's id): its slot loops then end as on a stop, each after its
+  call, and never claim again. Only a read of pglane.lanes retires a lane, never a notification.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,8 +68,12 @@ class ServedLane:
     """One lane served by ``slots`` slot loops of a process (pglane.slotloop)."""
 
     def __init__(self, settings: Lane, slots: int, handler: Handler, watchdog: Watchdog, *,
-                 timeout: float | None, recover_interval: float, metrics: LaneMetrics | None) -> None:
+                 timeout: float | None, recover_interval: float, metrics: LaneMetrics | None,
+                 by_pattern: bool = False) -> None:
         self.name = settings.name
+        self.by_pattern = by_pattern  # served because its name matches --lanes-like: it may be retired
+        self.retired = False  # the lane is gone from the database: its slot loops end (module doc)
+        self._waiting: set[LockSession] = set()  # the sessions waiting idle, which retire() interrupts
         self.settings = settings  # as last read (the process's start, each session's start, the lane's news)
         self.slots = slots  # how many slots of the lane the process takes (each a slot loop)
         self._timeout = timeout  # the worker's --timeout, if given: the hard timeout of every lane
@@ -80,6 +89,8 @@ class ServedLane:
         again), the timeouts to the next call of any slot of the lane."""
         session.news = False
         new = Lane.from_row(session.execute(queries.LANES, {"name": self.name}), self.name)
+        if new.id != self.settings.id:  # deleted, and a lane of the same name made since: not this one
+            raise UnknownLane(f"lane {self.name} (id {self.settings.id}) was deleted; a new lane has its name")
         session.slots = new.slots
         if new == self.settings:
             return  # read already, by another slot of the lane that had the news first
@@ -98,6 +109,23 @@ class ServedLane:
             log.warning("recovered %s attempt(s) of lane %s whose worker was gone (marked lost)",
                         row["recover"], self.name)
         self.recovery.done()
+
+    def retire(self) -> None:
+        """The lane is gone (a read of the lane list said so): its slot loops end, each after its call."""
+        if not self.retired:
+            self.retired = True
+            log.info("lane %s was deleted: its slots end, each after the call it runs", self.name)
+            for session in tuple(self._waiting):
+                session.interrupt()
+
+    @contextlib.contextmanager
+    def interrupting(self, session: LockSession) -> Iterator[None]:
+        """While inside, retire() interrupts ``session``'s wait."""
+        self._waiting.add(session)
+        try:
+            yield
+        finally:
+            self._waiting.discard(session)
 
     def shutdown(self) -> None:
         self.caller.runner.shutdown()

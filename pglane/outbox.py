@@ -101,8 +101,9 @@ class Outbox:
         self.held = None
         job = claim.job
         if not accepted:
-            log.warning("outcome of attempt %s of job %s refused: a newer attempt exists or the job was "
-                        "finished elsewhere; nothing was overwritten", job.attempt_id, job.id)
+            log.warning("outcome of attempt %s of job %s refused: a newer attempt exists, or the job was "
+                        "finished elsewhere or deleted (with its lane); nothing was overwritten",
+                        job.attempt_id, job.id)
             return
         ok = outcome.result_json is not None
         deferred = outcome.retry_after is not None

@@ -34,6 +34,13 @@ LANES: LiteralString = (  # every lane, or the one named %(name)s
     " takeover"
     " FROM pglane.lanes WHERE %(name)s::text IS NULL OR name = %(name)s ORDER BY name"
 )
+LANES_LIKE: LiteralString = (  # every lane whose name matches the LIKE pattern %(pattern)s: one read for all
+    "SELECT id, name, slots, extract(epoch FROM job_timeout)::float8 AS job_timeout,"
+    " extract(epoch FROM lease_timeout)::float8 AS lease_timeout, max_attempts, max_queued, max_result_bytes,"
+    " takeover"
+    " FROM pglane.lanes WHERE name LIKE %(pattern)s ORDER BY name"
+)
+LANES_CHANNEL: LiteralString = "LISTEN pglane_lanes"  # a lane created or deleted (sql/lanes.sql); payload empty
 # Change a running lane: settings as a JSON object (a key given null removes max_queued or rate).
 SET_LANE: LiteralString = "SELECT pglane.set_lane(%s, %s::jsonb) AS note"
 CREATE_LANE: LiteralString = (

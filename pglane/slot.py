@@ -174,7 +174,7 @@ class LockSession:
         self.slot = slot
         self.execute(queries.SLOT_HINT, (str(slot),))
 
-    async def wait_take(self, stopping: asyncio.Event, reread: Callable[[], None], recheck: float) -> bool:
+    async def wait_take(self, stopping: Callable[[], bool], reread: Callable[[], None], recheck: float) -> bool:
         """Wait as a standby until a slot frees, then take it; False if asked to stop first.
         Waits on one slot at a time (rotating, STANDBY_WAIT each) so that a one-slot lane is taken over
         the moment its holder's session ends. Each wait blocks a thread of this session's own, never the
@@ -189,7 +189,7 @@ class LockSession:
         try:
             turn = 0
             due = time.monotonic() + recheck
-            while not stopping.is_set():
+            while not stopping():
                 self._drain_notifies()  # plain wake-ups are dropped: the first claim after the take answers them
                 if self.news or time.monotonic() >= due:
                     reread()

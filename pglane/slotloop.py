@@ -26,8 +26,9 @@ states, and where each one leads:
                      recorded timed_out, the process stops; the session (and
                      the slot) is kept until the process exits
     stopping         SIGTERM/SIGINT, --max-jobs, --max-lifetime, another        the slot loop ends
-                     slot's hang: the call in progress ends, its outcome is
-                     written, the slot released
+                     slot's hang, or the lane's deletion (a lane served by
+                     --lanes-like, pglane.lane): the call in progress ends,
+                     its outcome is written, the slot released
 
 A database error or a lost session, in any state with a session, leads back to connecting: at once
 after a session that got a job done, else after a backoff (tenacity: 0.1 s doubling up to 5 s, so a
@@ -67,7 +68,7 @@ from tenacity import AsyncRetrying, RetryCallState, RetryError, retry_if_excepti
 
 from . import queries
 from .call import Hung
-from .errors import DatabaseUnavailable, NoSlotHeld, SlotLost, first_line, translate
+from .errors import DatabaseUnavailable, NoSlotHeld, SlotLost, UnknownLane, first_line, translate
 from .handler import Outcome
 from .job import Claim
 from .lane import ServedLane
@@ -128,7 +129,11 @@ class SlotLoop:
                 return
 
     def _work_left(self) -> bool:
-        return not self.lifetime.done() or self.outbox.held is not None
+        return not self._ended() or self.outbox.held is not None
+
+    def _ended(self) -> bool:
+        """No new job starts on this slot: the process is done, or the lane was deleted (its retirement)."""
+        return self.lifetime.done() or self.lane.retired
 
     async def _serve(self) -> None:
         """One session, until done. A database error ends it: raised for a backoff, unless the session
@@ -153,7 +158,7 @@ class SlotLoop:
             self.outbox.store(session)
             lane.reload(session)
             session.listen()  # before the standby's wait: the lane's news (more slots) must reach it
-            if self.lifetime.done() or not await self._take_slot(session):
+            if self._ended() or not await self._take_slot(session):
                 return
             held = True
             if lane.metrics is not None:
@@ -162,6 +167,10 @@ class SlotLoop:
             await self._drain(session)
         except Hung as hung:
             self.lifetime.recycle(str(hung), session)  # the session, and the slot, are held until the exit
+        except UnknownLane:
+            if not lane.by_pattern:
+                raise
+            lane.retire()  # a lane served by pattern was deleted: this slot ends (its release below)
         finally:
             if held and lane.metrics is not None:
                 lane.metrics.slot_held.dec()
@@ -174,7 +183,7 @@ class SlotLoop:
         lane = self.lane
         if not session.try_take():
             log.info("standby: all %s slot(s) of lane %s are held; waiting to take over", session.slots, lane.name)
-            if not await session.wait_take(self.lifetime.stop_requested, lambda: lane.reload(session),
+            if not await session.wait_take(self._ended, lambda: lane.reload(session),
                                            self.poll_interval):
                 return False
         log.info("holding slot %s of lane %s", session.slot, lane.name)
@@ -184,9 +193,9 @@ class SlotLoop:
 
     async def _drain(self, session: LockSession) -> None:
         """Holding the slot, until done: run the job held, else wait and claim (module doc)."""
-        claim = None if self.lifetime.done() else self._claim(self, session)  # done while this slot waited
+        claim = None if self._ended() else self._claim(self, session)  # done while this slot waited
         turn = time.monotonic() + LOOP_TURN
-        while claim is not None or not self.lifetime.done():
+        while claim is not None or not self._ended():
             if session.news:  # pglane lane set changed the lane: its settings apply from here
                 self.lane.reload(session)
             if claim is not None:
@@ -211,11 +220,11 @@ class SlotLoop:
             self.lane.recover(session)
         else:
             await self._idle(session)
-            if self.lifetime.done():
+            if self._ended():
                 return None
             if (gap := self._pacing.next_claim_at() - time.monotonic()) > 0:
                 await self.lifetime.nap(gap)
-                if self.lifetime.done():
+                if self._ended():
                     return None
         claim = self._claim(self, session)
         if claim is not None:
@@ -232,9 +241,9 @@ class SlotLoop:
         bounds = (self.poll_interval, self.lane.recovery.due_in(now), self._pacing.wait_bound(now),
                   self.lifetime.ends_in(now))
         timeout = min(b for b in bounds if b is not None)
-        if self.lifetime.stopping:
+        if self.lifetime.stopping or self.lane.retired:
             return
-        with self.lifetime.interrupting(session):
+        with self.lifetime.interrupting(session), self.lane.interrupting(session):
             if self._pacing.sleeps_through_jobs:
                 await session.wait_for_news(timeout)
             else:
@@ -256,8 +265,10 @@ class SlotLoop:
         try:
             row = session.execute(query, params)
         except psycopg.Error as exc:
-            if isinstance(translate(exc), NoSlotHeld):
+            if isinstance(known := translate(exc), NoSlotHeld):
                 raise SlotLost(first_line(exc)) from None
+            if isinstance(known, UnknownLane) and self.lane.by_pattern:
+                raise known from None  # deleted while served by pattern: the slot ends (_session)
             raise
         now = time.monotonic()
         if self.lane.metrics is not None:
@@ -273,7 +284,7 @@ class SlotLoop:
         stored, nothing claimed, when the process is done, the lane's recovery is due (it runs first), or
         the lane's rate limit said this slot's next start must wait."""
         self.outbox.hold(claim, outcome)
-        if self.lifetime.done() or self.lane.recovery.due() or self._pacing.holds_start(time.monotonic()):
+        if self._ended() or self.lane.recovery.due() or self._pacing.holds_start(time.monotonic()):
             self.outbox.store(session)
             return None
         if outcome.result_json is None:

@@ -8,10 +8,21 @@ the lifetime (--max-jobs and --max-lifetime counted over the process, the stop r
 shares), the watchdog, and the exit status. What belongs to a lane (its settings and their reload, its
 caller with its timeouts, its recovery timer) is pglane.lane's, shared by the process's slots of it.
 
+``--lanes-like PATTERN`` (``Worker(dsn, lanes_like="tenant_%", slots_each=N, handler=h)``) also serves
+every lane whose name matches the SQL LIKE pattern, N slots of each, the lanes created later included:
+one task of the process (``_watch``) LISTENs on pglane_lanes, which a lane's creation and deletion
+notify (sql/lanes.sql), and reads the matching lanes again, in one query, on each notification and each
+poll interval (a notification may be lost, or forged: it only ever causes that read). A lane new to the
+read gets its slot loops; one gone from it (deleted, or made again under another id) is retired: its
+slot loops end as on a stop, each after its call (pglane.lane). A lane named as LANE[=N] is served as
+named, never retired by the pattern. A matching lane whose settings break a timing rule is logged and
+not served (a named one is refused at the start).
+
     state        what happens                                                   leads to
     starting     every lane read (an unknown one refused), every lane's timing   serving; exit 2, 1
                  rules checked, the pooler probed: before any slot is taken
-    serving      every slot loop runs until done (pglane.slotloop)              stopping
+    serving      every slot loop runs until done (pglane.slotloop); with        stopping
+                 --lanes-like, the lanes matching it come and go (above)
     stopping     SIGTERM/SIGINT, --max-jobs, --max-lifetime, a hung handler or   exit 0, 69, 75
                  a slot loop's unexpected error: no slot claims again; each
                  call in progress ends, its outcome is written, its slot freed
@@ -40,9 +51,10 @@ import logging
 import os
 import signal
 import socket
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import psycopg
 
@@ -54,7 +66,7 @@ from .job import Claim
 from .lane import Lane, ServedLane, violations
 from .lifetime import Lifetime
 from .metrics import Metrics
-from .slot import LIVENESS, LockSession
+from .slot import KEEPALIVES, LIVENESS, LockSession
 from .slotloop import SlotLoop
 
 log = logging.getLogger("pglane.worker")
@@ -63,6 +75,7 @@ H = TypeVar("H")  # a handler, or what names one (the command line checks its pl
 
 EXIT_OK = 0
 EXIT_UNSTORED = 69  # EX_UNAVAILABLE: stopped while the database was unreachable, an outcome unwritten
+REREAD_GAP = 0.1  # --lanes-like: seconds at least between two reads of the lanes (at most 10 a second)
 
 
 @dataclass(frozen=True)
@@ -78,14 +91,23 @@ class WorkerOptions:
 
 
 def plan(lanes: Mapping[str, int] | Iterable[str], handler: H | None,
-         handlers: Mapping[str, H] | None) -> dict[str, tuple[int, H]]:
-    """Each lane served, with its slot count and its handler: ``handlers[lane]``, else ``handler``.
-    ConfigurationError for no lane, a count below 1, a lane with no handler or a handler for a lane
-    not served."""
+         handlers: Mapping[str, H] | None, lanes_like: str | None = None,
+         slots_each: int = 1) -> dict[str, tuple[int, H]]:
+    """Each lane named, with its slot count and its handler: ``handlers[lane]``, else ``handler``.
+    ConfigurationError for no lane (and no ``lanes_like``), a count below 1, a lane with no handler, a
+    handler for a lane not named, or ``lanes_like`` without ``handler`` (the lanes it finds use it)."""
     counts = dict(lanes) if isinstance(lanes, Mapping) else dict.fromkeys(lanes, 1)
     handlers = dict(handlers or {})
-    if not counts:
-        raise ConfigurationError("name at least one lane to serve")
+    if lanes_like is not None:
+        if not lanes_like:
+            raise ConfigurationError("--lanes-like needs a pattern, e.g. 'tenant_%'")
+        if not isinstance(slots_each, int) or slots_each < 1:
+            raise ConfigurationError(f"--slots-each {slots_each}: a worker takes at least 1 slot of each lane")
+        if handler is None:
+            raise ConfigurationError("--lanes-like serves the lanes it finds with the handler for every lane: give "
+                                     "--handler MODULE:CALLABLE")
+    elif not counts:
+        raise ConfigurationError("name at least one lane to serve, or serve lanes by pattern with --lanes-like")
     if few := [f"{name}={n}" for name, n in counts.items() if not isinstance(n, int) or n < 1]:
         raise ConfigurationError(f"{', '.join(few)}: a worker takes at least 1 slot of each lane it serves")
     if stray := sorted(set(handlers) - set(counts)):
@@ -104,20 +126,37 @@ def plan(lanes: Mapping[str, int] | Iterable[str], handler: H | None,
 class Worker:
     """A worker process: up to N slots of each of its lanes. ``Worker(dsn, "lane", handler)`` serves one
     slot of one lane; ``Worker(dsn, lanes={"a": 2, "b": 1}, handler=h)`` (or ``handlers={"a": h, ...}``,
-    a lane's own handler before ``handler``) serves several, each handler seeing ``job.lane``."""
+    a lane's own handler before ``handler``) serves several, each handler seeing ``job.lane``;
+    ``lanes_like="tenant_%"`` (with or without named lanes) serves ``slots_each`` slots of every lane whose
+    name matches, the lanes created later included, with ``handler`` (module doc)."""
 
     def __init__(self, dsn: str, lane: str | None = None, handler: Handler | None = None,
                  options: WorkerOptions | None = None, *, lanes: Mapping[str, int] | Iterable[str] | None = None,
-                 handlers: Mapping[str, Handler] | None = None) -> None:
-        if (lane is None) == (lanes is None):
+                 handlers: Mapping[str, Handler] | None = None, lanes_like: str | None = None,
+                 slots_each: int = 1) -> None:
+        if lane is not None and lanes is not None:
             raise ConfigurationError("give a worker one lane, or lanes={name: slots, ...}, not both")
+        if lane is None and lanes is None and lanes_like is None:
+            raise ConfigurationError("give a worker one lane, lanes={name: slots, ...} or lanes_like=PATTERN")
         self.dsn = dsn
-        self.plan = plan(lanes if lanes is not None else [lane] if lane is not None else [], handler, handlers)
-        self.lane_name = next(iter(self.plan))  # the first lane served (the only one of a one-lane worker)
+        self.plan = plan(lanes if lanes is not None else [lane] if lane is not None else [], handler, handlers,
+                         lanes_like, slots_each)
+        self.lanes_like = lanes_like
+        self.slots_each = slots_each
+        self._pattern_handler = handler  # what the lanes found by the pattern run
+        # the first lane named (the only one of a one-lane worker); empty for a worker by pattern alone
+        self.lane_name = next(iter(self.plan), "")
         self.options = options or WorkerOptions()
         self.name = self.options.name or f"{socket.gethostname()}:{os.getpid()}"
         self.lifetime = Lifetime(self.options.max_jobs, self.options.max_lifetime)
-        self.slots: list[SlotLoop] = []  # made by main()
+        self.slots: list[SlotLoop] = []  # made by main(), and by _watch as lanes matching the pattern come
+        self.served: dict[str, ServedLane] = {}  # each lane served now, by name
+        self._every_lane: list[ServedLane] = []  # each lane served since the start (shut down at the end)
+        self._tasks: set[asyncio.Future[None]] = set()  # the slot loops still running
+        self._more = asyncio.Event()  # slot loops were added (_run_slots waits for them too)
+        self._watchdog: Watchdog | None = None
+        self._metrics: Metrics | None = None
+        self._refused: set[int] = set()  # ids of matching lanes not served (a timing rule broken): logged once
 
     @property
     def jobs_run(self) -> int:
@@ -145,27 +184,16 @@ class Worker:
         if broken := [f"lane {name}: " + "; ".join(problems) for name, lane in settings.items()
                       if (problems := violations(lane, o.timeout))]:
             raise ConfigurationError("; ".join(broken))
-        metrics = Metrics(o.metrics_port) if o.metrics_port is not None else None
-        watchdog = Watchdog(self.dsn)
-        watchdog.start()
-        lanes = [ServedLane(settings[name], n, handler, watchdog, timeout=o.timeout,
-                            recover_interval=o.recover_interval, metrics=metrics.lane(name) if metrics else None)
-                 for name, (n, handler) in self.plan.items()]
+        metrics = self._metrics = Metrics(o.metrics_port) if o.metrics_port is not None else None
+        self._watchdog = Watchdog(self.dsn)
+        self._watchdog.start()
+        for name, (n, handler) in self.plan.items():
+            self._serve(settings[name], n, handler, by_pattern=False)
         refresher = asyncio.ensure_future(metrics.refresh_forever(self.dsn)) if metrics is not None else None
-        for lane in lanes:
-            s = lane.settings
-            log.info("worker %s for lane %s (%s slot(s), job timeout %gs, hard timeout %gs, lease %gs)", self.name,
-                     s.name, s.slots, s.job_timeout, lane.caller.hard_timeout, s.lease_timeout)
-            if lane.slots > s.slots:
-                log.warning("lane %s has %s slot(s) and this worker asks for %s: %s will wait as standby until the "
-                            "lane has more (pglane lane set %s --slots N)", s.name, s.slots, lane.slots,
-                            lane.slots - s.slots, s.name)
-        self.slots = [SlotLoop(lane, self.lifetime, self.name, poll_interval=o.poll_interval, connect=self._connect,
-                               claim=self._claim) for lane in lanes for _ in range(lane.slots)]
         try:
             failure = await self._run_slots()
         finally:
-            for lane in lanes:
+            for lane in self._every_lane:
                 lane.shutdown()
             if refresher is not None:
                 refresher.cancel()
@@ -183,20 +211,132 @@ class Worker:
             raise failure
         return EXIT_UNSTORED if unstored else EXIT_OK
 
+    def _serve(self, settings: Lane, n: int, handler: Handler, *, by_pattern: bool) -> None:
+        """Serve ``n`` slots of the lane: its ServedLane, and a slot loop (in a task) per slot."""
+        o = self.options
+        assert self._watchdog is not None
+        lane = ServedLane(settings, n, handler, self._watchdog, timeout=o.timeout, recover_interval=o.recover_interval,
+                          metrics=self._metrics.lane(settings.name) if self._metrics else None, by_pattern=by_pattern)
+        self.served[settings.name] = lane
+        self._every_lane.append(lane)
+        s = lane.settings
+        log.info("worker %s for lane %s (%s slot(s), job timeout %gs, hard timeout %gs, lease %gs)", self.name,
+                 s.name, s.slots, s.job_timeout, lane.caller.hard_timeout, s.lease_timeout)
+        if lane.slots > s.slots:
+            log.warning("lane %s has %s slot(s) and this worker asks for %s: %s will wait as standby until the "
+                        "lane has more (pglane lane set %s --slots N)", s.name, s.slots, lane.slots,
+                        lane.slots - s.slots, s.name)
+        for _ in range(n):
+            slot = SlotLoop(lane, self.lifetime, self.name, poll_interval=o.poll_interval, connect=self._connect,
+                            claim=self._claim)
+            self.slots.append(slot)
+            self._tasks.add(asyncio.ensure_future(slot.run()))
+        self._more.set()
+
     async def _run_slots(self) -> BaseException | None:
-        """Run every slot loop until each has ended; the first unexpected error stops the process (the
-        other slots finish their calls) and is returned."""
+        """Run every slot loop until each has ended (and, with --lanes-like, the watch of the lanes, until the
+        process is done); the first unexpected error stops the process (the other slots finish their
+        calls) and is returned."""
         failure: BaseException | None = None
-        tasks = [asyncio.ensure_future(slot.run()) for slot in self.slots]
-        for ended in asyncio.as_completed(tasks):
-            try:
-                await ended
-            except Exception as exc:
-                log.error("a slot of this worker failed (%s: %s): stopping the worker", type(exc).__name__,
-                          first_line(exc))
+        watch = asyncio.ensure_future(self._watch()) if self.lanes_like is not None else None
+        while self._tasks or (watch is not None and not watch.done()):
+            if watch is not None and not self._tasks and self.lifetime.done():
+                watch.cancel()  # --max-jobs or --max-lifetime: nothing more will be served
+            more: asyncio.Future[Any] = asyncio.ensure_future(self._more.wait())
+            waiting: set[asyncio.Future[Any]] = {*self._tasks, more}
+            if watch is not None and not watch.done():
+                waiting.add(watch)
+            ended, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            more.cancel()
+            self._more.clear()
+            for task in ended - {more}:
+                self._tasks.discard(task)
+                if task.cancelled() or (exc := task.exception()) is None:
+                    continue
+                log.error("a %s of this worker failed (%s: %s): stopping the worker",
+                          "slot" if task is not watch else "watch of the lanes", type(exc).__name__, first_line(exc))
                 failure = failure or exc
-                self.stop("a slot failed")
+                self.stop("a slot failed" if task is not watch else "the watch of the lanes failed")
         return failure
+
+    # ----- --lanes-like: the lanes matching the pattern, as they come and go --------------------
+
+    async def _watch(self) -> None:
+        """Until the process is done: read the lanes matching the pattern (one query), serve the new, retire
+        the gone; then wait for a NOTIFY on pglane_lanes, the poll interval or a stop. A database error
+        is logged and the read tried again at the next poll interval, on a new connection."""
+        assert self.lanes_like is not None
+        conn: psycopg.Connection[Any] | None = None
+        try:
+            while not self.lifetime.done():
+                try:
+                    if conn is None:
+                        conn = psycopg.connect(self.dsn, autocommit=True,
+                                               application_name=f"pglane {self.name} lanes"[:63], **KEEPALIVES)
+                        conn.execute(queries.LANES_CHANNEL)
+                    self._follow(conn.execute(queries.LANES_LIKE, {"pattern": self.lanes_like}).fetchall())
+                except psycopg.Error as exc:
+                    log.warning("could not read the lanes like %r (%s); trying again in %gs", self.lanes_like,
+                                first_line(exc), self.options.poll_interval)
+                    if conn is not None:
+                        conn.close()
+                    conn = None
+                conn = await self._lanes_news(conn)
+        finally:
+            if conn is not None:
+                conn.close()
+
+    def _follow(self, rows: list[Any]) -> None:
+        """Serve each lane of ``rows`` (the pattern's, as read now) not served yet; retire each lane served by
+        pattern that is not among them (under the same id)."""
+        now = {lane.name: lane for lane in (Lane.from_row(row, row[1]) for row in rows)}
+        for name, lane in list(self.served.items()):
+            if lane.by_pattern and (name not in now or now[name].id != lane.settings.id):
+                lane.retire()
+                del self.served[name]
+        for name, settings in now.items():
+            if name in self.served or name in self.plan or self.lifetime.done():
+                continue
+            if problems := violations(settings, self.options.timeout):
+                if settings.id not in self._refused:
+                    self._refused.add(settings.id)
+                    log.error("lane %s matches %r but is not served: %s", name, self.lanes_like, "; ".join(problems))
+                continue
+            assert self._pattern_handler is not None
+            self._serve(settings, self.slots_each, self._pattern_handler, by_pattern=True)
+
+    async def _lanes_news(self, conn: psycopg.Connection[Any] | None) -> psycopg.Connection[Any] | None:
+        """Wait for a NOTIFY on the lanes' channel (consumed, whatever it says), the poll interval, the end of
+        life or a stop; the connection, or None if it was found gone."""
+        await self.lifetime.nap(REREAD_GAP)  # a flood of notifications (any login may send them) costs little
+        if conn is not None:  # one that came during the read may be for a lane its snapshot missed: read again
+            try:
+                if sum(1 for _ in conn.notifies(timeout=0)):
+                    return conn
+            except psycopg.Error:
+                conn.close()
+                return None
+        loop = asyncio.get_running_loop()
+        bounds = (self.options.poll_interval, self.lifetime.ends_in(time.monotonic()))
+        ready: asyncio.Future[Any] = loop.create_future()
+        stop: asyncio.Future[Any] = asyncio.ensure_future(self.lifetime.stop_requested.wait())
+        if conn is not None:
+            loop.add_reader(conn.fileno(), lambda: None if ready.done() else ready.set_result(None))
+        try:
+            await asyncio.wait({ready, stop}, timeout=min(b for b in bounds if b is not None),
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if conn is not None:
+                loop.remove_reader(conn.fileno())
+        if conn is not None:
+            try:
+                for _ in conn.notifies(timeout=0):
+                    pass  # what a notification says is not trusted: it only brings the next read forward
+            except psycopg.Error:
+                conn.close()
+                return None
+        return conn
 
     def _log_unstored(self) -> bool:
         """Log, at ERROR, how to store each outcome a slot could not (the database unreachable); any?"""
@@ -217,6 +357,8 @@ class Worker:
                                       "--dsn / PGLANE_DSN") from None
         with conn:
             rows = {name: conn.execute(queries.LANES, {"name": name}).fetchone() for name in self.plan}
+        if not rows:
+            return {}
         if len(missing := [name for name, row in rows.items() if row is None]) > 1:
             raise UnknownLane(f"unknown lanes {', '.join(map(repr, missing))}; create each with: pglane lane "
                               "create NAME")

@@ -41,7 +41,9 @@ LANGUAGE sql AS $$
 $$;
 
 -- lanes_after_insert: every lane gets its counters and admissions rows in the same transaction, so
--- claim() and the bound check can rely on them existing.
+-- claim() and the bound check can rely on them existing. A NOTIFY on pglane_lanes, one channel for the
+-- whole schema, tells the workers that serve lanes by pattern (pglane worker --lanes-like) to read the
+-- lane list again; its payload is empty, and a worker trusts none (any login may NOTIFY that channel).
 CREATE OR REPLACE FUNCTION pglane.lanes_after_insert() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
@@ -49,6 +51,7 @@ AS $$
 BEGIN
     INSERT INTO pglane.lane_counters (lane_id) VALUES (NEW.id);
     INSERT INTO pglane.lane_admissions (lane_id) VALUES (NEW.id);
+    PERFORM pglane.notify('pglane_lanes', '');
     RETURN NULL;
 END $$;
 
@@ -87,7 +90,8 @@ CREATE TRIGGER lanes_before_update BEFORE UPDATE ON pglane.lanes
     FOR EACH ROW EXECUTE FUNCTION pglane.lanes_before_update();
 
 -- lanes_after_delete: a deleted lane's recorded starts go with it (lane_starts has no foreign key: its
--- check would lock the lane's row at every start of a rate-limited lane).
+-- check would lock the lane's row at every start of a rate-limited lane). The pattern workers are told
+-- on pglane_lanes, as at insert.
 CREATE OR REPLACE FUNCTION pglane.lanes_after_delete() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
@@ -95,6 +99,7 @@ AS $$
 BEGIN
     DELETE FROM pglane.lane_starts s WHERE s.lane_id = OLD.id;
     DELETE FROM pglane.pruned_keys k WHERE k.lane = OLD.name;  -- a lane made again starts with no keys
+    PERFORM pglane.notify('pglane_lanes', '');
     RETURN NULL;
 END $$;
 
