@@ -139,15 +139,17 @@ def test_a_paused_lane_starts_nothing_until_resumed_and_its_sleeping_workers_sta
     note = pglane.pause_lane(conn, "paid", reason="provider maintenance")
     assert "paused until resumed" in note and "pglane lane resume paid" in note
     jobs = []
-    for _ in range(6):  # one at a time: each enqueue's NOTIFY wakes every worker
+    for _ in range(12):  # one at a time: each enqueue's NOTIFY wakes every worker
         jobs.append(pglane.enqueue(conn, "paid", {}))
-        time.sleep(0.1)
+        time.sleep(0.05)
     # Each worker claims once, is told the lane is paused until resumed, and sleeps through the rest.
     watch_until = time.monotonic() + 1.5  # an absence is observed over a window: 1.5 s of it
     while time.monotonic() < watch_until:
         assert conn.execute("SELECT count(*) AS n FROM pglane.attempts").fetchone()["n"] == 0
         time.sleep(0.05)
-    assert claims() - before <= 2, f"{claims() - before} claims while paused for 6 enqueues: polling churn"
+    # A claim or two per worker whatever the enqueues (one told it the lane is paused; a loaded machine
+    # may let a wake-up from before the pause's answer through), not one per enqueue.
+    assert claims() - before <= 3, f"{claims() - before} claims while paused for 12 enqueues: polling churn"
     status = _lane_row(conn, "paid")
     assert status["paused"] and status["paused_until"] is None  # until resumed
     assert status["pause_reason"] == "provider maintenance"
