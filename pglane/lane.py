@@ -15,9 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +23,7 @@ from . import queries, timing
 from .call import Caller, Watchdog
 from .errors import UnknownLane
 from .handler import Handler, Runner
-from .lifetime import Recovery
+from .lifetime import Recovery, Waits
 from .metrics import LaneMetrics
 from .slot import LockSession
 
@@ -73,7 +71,7 @@ class ServedLane:
         self.name = settings.name
         self.by_pattern = by_pattern  # served because its name matches --lanes-like: it may be retired
         self.retired = False  # the lane is gone from the database: its slot loops end (module doc)
-        self._waiting: set[LockSession] = set()  # the sessions waiting idle, which retire() interrupts
+        self.waits = Waits()  # the sessions waiting idle, which retire() interrupts
         self.settings = settings  # as last read (the process's start, each session's start, the lane's news)
         self.slots = slots  # how many slots of the lane the process takes (each a slot loop)
         self._timeout = timeout  # the worker's --timeout, if given: the hard timeout of every lane
@@ -115,17 +113,8 @@ class ServedLane:
         if not self.retired:
             self.retired = True
             log.info("lane %s was deleted: its slots end, each after the call it runs", self.name)
-            for session in tuple(self._waiting):
-                session.interrupt()
+            self.waits.interrupt_all()
 
-    @contextlib.contextmanager
-    def interrupting(self, session: LockSession) -> Iterator[None]:
-        """While inside, retire() interrupts ``session``'s wait."""
-        self._waiting.add(session)
-        try:
-            yield
-        finally:
-            self._waiting.discard(session)
 
     def shutdown(self) -> None:
         self.caller.runner.shutdown()

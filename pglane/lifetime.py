@@ -28,6 +28,27 @@ from .slot import LockSession
 log = logging.getLogger("pglane.worker")
 
 
+class Waits:
+    """The sessions waiting idle (each slot's, side by side) that an event must interrupt: a stop request
+    (Lifetime), a lane's retirement (pglane.lane)."""
+
+    def __init__(self) -> None:
+        self._sessions: set[LockSession] = set()
+
+    @contextlib.contextmanager
+    def interrupting(self, session: LockSession) -> Iterator[None]:
+        """While inside, interrupt_all() ends ``session``'s wait."""
+        self._sessions.add(session)
+        try:
+            yield
+        finally:
+            self._sessions.discard(session)
+
+    def interrupt_all(self) -> None:
+        for session in tuple(self._sessions):
+            session.interrupt()
+
+
 class Lifetime:
     def __init__(self, max_jobs: int | None, max_lifetime: float | None) -> None:
         self.started = time.monotonic()
@@ -36,7 +57,7 @@ class Lifetime:
         self._max_jobs = max_jobs
         self._max_lifetime = max_lifetime
         self.stop_requested = asyncio.Event()  # set once; what every wait of every slot also waits for
-        self._waiting: set[LockSession] = set()  # the sessions waiting idle, which a stop request interrupts
+        self.waits = Waits()  # the sessions waiting idle, which a stop request interrupts
         self.hung: str | None = None  # why the process recycles (a handler outlived the hard timeout)
         self.kept: list[LockSession] = []  # the hung calls' sessions: held, never released, until the exit
 
@@ -46,8 +67,7 @@ class Lifetime:
         if not self.stop_requested.is_set():
             log.info("%s: finishing the calls in progress, then releasing the slots and exiting", reason)
             self.stop_requested.set()
-            for session in tuple(self._waiting):
-                session.interrupt()
+            self.waits.interrupt_all()
 
     def recycle(self, reason: str, session: LockSession) -> None:
         """A handler outlived the hard timeout on ``session`` (its attempt recorded already): keep that
@@ -78,14 +98,6 @@ class Lifetime:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.stop_requested.wait(), seconds)
 
-    @contextlib.contextmanager
-    def interrupting(self, session: LockSession) -> Iterator[None]:
-        """While inside, a stop request interrupts ``session``'s wait (each slot's, side by side)."""
-        self._waiting.add(session)
-        try:
-            yield
-        finally:
-            self._waiting.discard(session)
 
 
 class Recovery:

@@ -243,7 +243,7 @@ class SlotLoop:
         timeout = min(b for b in bounds if b is not None)
         if self.lifetime.stopping or self.lane.retired:
             return
-        with self.lifetime.interrupting(session), self.lane.interrupting(session):
+        with self.lifetime.waits.interrupting(session), self.lane.waits.interrupting(session):
             if self._pacing.sleeps_through_jobs:
                 await session.wait_for_news(timeout)
             else:
