@@ -93,9 +93,9 @@ QUEUE_GAUGES: LiteralString = (
     " (SELECT count(*) FROM pglane.attempts a JOIN pglane.jobs r ON r.id = a.job_id"
     "   WHERE a.status = 'running' AND r.lane = %(lane)s) AS running,"
     " pglane.rate_window_use(%(lane)s) AS rate_window_used,"
-    # paused: the lane's latest pause, not resumed, not ended (sql/pause.sql keeps it with the claim's fact)
-    " EXISTS (SELECT 1 FROM pglane.lane_pauses p JOIN pglane.lanes l ON l.id = p.lane_id WHERE l.name = %(lane)s"
-    "   AND p.resumed_at IS NULL AND coalesce(p.paused_until > now(), true)) AS paused"
+    # paused: the fact the claim obeys (sql/pause.sql), which pglane_worker may read
+    " EXISTS (SELECT 1 FROM pglane.lane_counters c JOIN pglane.lanes l ON l.id = c.lane_id"
+    "   WHERE l.name = %(lane)s AND c.paused_until > now()) AS paused"
     " FROM pglane.jobs WHERE lane = %(lane)s AND in_queue"
 )
 

@@ -10,10 +10,10 @@
 --   clock: a claim that waited for the lock reads the new row (PostgreSQL re-checks an UPDATE's WHERE
 --   on the newest version of a row it waited for), so no start of the lane follows a pause's commit
 --   before paused_until. 'infinity': until a person resumes it. A pause ended by time needs no writer.
--- - lane_pauses, the record an operator reads (lane_status): since when, until when (NULL: until
---   resumed; 'infinity' stays inside the counters row, as clients cannot read it as a date), by whom,
---   why, and for the breaker which attempts. The latest pause of each lane; resume_lane says who
---   ended it.
+-- - lane_pauses, the record an operator reads (lane_status): since when, what, by whom, why, and
+--   for the breaker which attempts. The latest pause of each lane; resume_lane says who ended it. Its
+--   end is paused_until's alone (one fact, one place; lane_status shows 'infinity', which clients
+--   cannot read as a date, as NULL: until resumed).
 -- A pause never shortens another: the later end wins (a deferral during a person's pause leaves it).
 -- Its start (lane_pauses.paused_at) is the moment it held the counters row: no start of the lane is
 -- recorded from then until paused_until.
@@ -41,10 +41,10 @@ BEGIN
         RETURN v_was;
     END IF;
     UPDATE pglane.lane_counters c SET paused_until = v_until WHERE c.lane_id = p_lane_id;
-    INSERT INTO pglane.lane_pauses AS p (lane_id, paused_at, paused_until, kind, paused_by, reason, attempts)
-    VALUES (p_lane_id, v_at, nullif(v_until, 'infinity'), p_kind, p_by, left(p_reason, 1000), p_attempts)
+    INSERT INTO pglane.lane_pauses AS p (lane_id, paused_at, kind, paused_by, reason, attempts)
+    VALUES (p_lane_id, v_at, p_kind, p_by, left(p_reason, 1000), p_attempts)
     ON CONFLICT (lane_id) DO UPDATE
-       SET paused_at = excluded.paused_at, paused_until = excluded.paused_until, kind = excluded.kind,
+       SET paused_at = excluded.paused_at, kind = excluded.kind,
            paused_by = excluded.paused_by, reason = excluded.reason, attempts = excluded.attempts,
            resumed_at = NULL, resumed_by = NULL;
     RETURN v_until;

@@ -60,7 +60,8 @@ GRANT EXECUTE ON FUNCTION pglane.claim(text, text), pglane.claim_or_wait(text, t
                           pglane.complete_and_claim(bigint, jsonb, text, text, uuid), pglane.recover(text),
                           pglane.defer(bigint, interval, text, uuid)
     TO pglane_worker;
-GRANT SELECT ON pglane.lanes, pglane.jobs, pglane.lane_pauses TO pglane_worker;  -- the pause gauge reads it
+GRANT SELECT ON pglane.lanes, pglane.jobs TO pglane_worker;
+GRANT SELECT (lane_id, paused_until) ON pglane.lane_counters TO pglane_worker;  -- the pause gauge (metrics)
 GRANT SELECT (id, job_id, attempt_number, status, worker, backend_pid, backend_start, session_mark, started_at,
               finished_at, lease_expires_at, error, seq, lease_released_at, lease_released_by)
     ON pglane.attempts TO pglane_worker;

@@ -40,7 +40,8 @@ def test_a_deferral_pauses_the_whole_lane_and_the_job_runs_afterwards_without_sp
     wait_until(lambda: all(_status(conn, j) == "done" for j in [refused, *others]), 40, "every job done")
 
     assert _attempts(conn, refused) == ["deferred", "done"]  # max_attempts 1, and it ran: not spent
-    pause = conn.execute("SELECT * FROM pglane.lane_pauses").fetchone()
+    pause = conn.execute("SELECT p.*, c.paused_until FROM pglane.lane_pauses p"
+                         " JOIN pglane.lane_counters c USING (lane_id)").fetchone()
     assert pause["kind"] == "retry_later" and "429: retry after 2 s" in pause["reason"]
     assert abs((pause["paused_until"] - pause["paused_at"]).total_seconds() - 2) < 0.01
     # The database clock: no start of the lane from the pause's start to its end, and jobs were

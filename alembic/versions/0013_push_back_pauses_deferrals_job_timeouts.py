@@ -10,8 +10,8 @@ Create Date: 2026-12-06
   them, which lanes.max_deferrals (default 20) bounds; lanes.on_retry_later ('lane', the default, or
   'job') says whether a deferral pauses the whole lane until the same moment.
 - A lane may be paused: lane_counters.paused_until, which the claim's take obeys under the counters
-  row lock (sql/pause.sql), and lane_pauses, the record (since, until, what, by whom, why, which
-  attempts; who resumed it). pause_lane and resume_lane for the operator.
+  row lock (sql/pause.sql), and lane_pauses, the record (since when, what, by whom, why, which
+  attempts; who resumed it; its end is the counters row's alone). pause_lane and resume_lane for the operator.
 - The breaker: lanes.pause_after_failures (NULL: none); lane_counters.failures_in_row and
   failed_attempts, counted by fail() and ended by a success or a resume.
 - jobs.job_timeout: a job's own call timeout, at most its lane's (checked at insert); the claim
@@ -61,7 +61,6 @@ BEFORE = """
     CREATE TABLE pglane.lane_pauses (
         lane_id      integer     PRIMARY KEY REFERENCES pglane.lanes (id) ON DELETE CASCADE,
         paused_at    timestamptz NOT NULL,
-        paused_until timestamptz,  -- NULL: until a person resumes it
         kind         text        NOT NULL CONSTRAINT lane_pause_kind_valid
                                  CHECK (kind IN ('person', 'retry_later', 'breaker')),
         paused_by    text,
