@@ -258,8 +258,10 @@ def test_a_promoted_synchronous_standby_loses_no_job_and_pays_for_nothing_twice(
             # idle runs long before its 60 s poll. The holder is stopped, so that the other one shows it too.
             assert all(p.poll() is None for p in fleet.procs), "a worker exited"
             holder = idle_holder(new)
-            waiting = value(new, "SELECT count(*) FROM pglane.slot_holders WHERE lane = %s AND NOT granted", (LANE,))
-            assert waiting == 1, "the other worker is not waiting as a standby on the new primary"
+            # A standby shows in pg_locks while its lock request is pending: between two of its 500 ms
+            # waits (it reads the lane, tries every slot) it shows nowhere, so this is polled, not read once.
+            wait_until(lambda: value(new, "SELECT count(*) FROM pglane.slot_holders WHERE lane = %s AND NOT granted",
+                                     (LANE,)) == 1, 10, "the other worker waiting as a standby on the new primary")
             woken_by_notify(new, "the holder")
             worker = worker_of(new, holder, fleet)
             worker.send_signal(signal.SIGTERM)
