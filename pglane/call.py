@@ -36,7 +36,7 @@ from .errors import first_line
 from .handler import Outcome, Runner, outcome_of, settle
 from .job import Claim, Job
 from .metrics import LaneMetrics
-from .slot import LockSession
+from .session import SlotSession
 
 log = logging.getLogger("pglane.worker")
 
@@ -109,7 +109,7 @@ class Caller:
         self.max_result_bytes = max_result_bytes
         self.metrics = metrics
 
-    async def call(self, session: LockSession, claim: Claim) -> Outcome:
+    async def call(self, session: SlotSession, claim: Claim) -> Outcome:
         """Run the handler on the claimed job; its outcome. A payload that could not be decoded fails
         without a call; a result over the lane's max_result_bytes fails without being sent. Raises
         ``Hung`` for a handler that outlives the hard timeout (its attempt recorded timed_out)."""
@@ -142,7 +142,7 @@ class Caller:
                                     "completed): store large outputs elsewhere and return a reference")
         return outcome if outcome.error is None or outcome.retry_after is not None else _logged(job, outcome)
 
-    async def _call_slow(self, session: LockSession, claim: Claim, future: asyncio.Future[Any],
+    async def _call_slow(self, session: SlotSession, claim: Claim, future: asyncio.Future[Any],
                          cancel: Callable[[], object], started: float, job_timeout: float) -> Outcome | None:
         """A call that did not finish at once: past QUICK_CALL, watch the slot session until the job
         deadline, then settle the call under both timeouts (None: it outlived the hard one)."""
@@ -166,7 +166,7 @@ class Caller:
             session.release()  # nothing more runs on it: the outcome's write fails and is kept pending
         return outcome
 
-    def _hung(self, session: LockSession, claim: Claim) -> Hung:
+    def _hung(self, session: SlotSession, claim: Claim) -> Hung:
         """The handler outlived the hard timeout: record its attempt timed_out (if the session is gone,
         recovery marks it lost instead); the process must end, the only way to stop a thread."""
         reason = (f"timed out: the handler ignored cancellation past the worker's hard timeout of "

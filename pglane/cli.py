@@ -26,6 +26,7 @@ from .errors import (
     translate,
 )
 from .job import JOB_STATUSES
+from .session import SESSIONS
 
 EXIT_FULL = 3  # enqueue --if-full skip met a full lane: nothing was written
 EXIT_WAIT_TIMEOUT = 4  # enqueue --wait --timeout S: the job had not finished (it goes on)
@@ -310,6 +311,9 @@ def _work_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
                    help="a callable taking a pglane.Job, imported from the current directory first (as Celery does), "
                    "then from sys.path: LANE=MODULE:CALLABLE for that lane only, MODULE:CALLABLE for every lane "
                    "without its own (repeatable; the handler sees job.lane)")
+    w.add_argument("--sessions", type=_count, default=SESSIONS, metavar="K",
+                   help=f"a process with more slots than K (or serving --lanes-like) holds them all on K shared "
+                   f"database sessions; with at most K, each slot has its own session (default {SESSIONS})")
     w.add_argument("--poll-interval", type=_seconds, default="5s",
                    help="how often an idle worker looks for work it was not woken for")
     w.add_argument("--max-jobs", type=int, help="exit after this many jobs, of all its lanes together (default: never)")
@@ -541,7 +545,7 @@ def _worker(dsn: str, args: argparse.Namespace) -> int:
     logging.getLogger("pglane").setLevel(pglane_level)  # libraries log warnings only, unless --verbose
     options = WorkerOptions(poll_interval=args.poll_interval, max_jobs=args.max_jobs,
                             max_lifetime=args.max_lifetime, timeout=args.timeout, name=args.name,
-                            liveness=args.liveness,
+                            liveness=args.liveness, sessions=args.sessions,
                             recover_interval=args.recover_interval, metrics_port=args.metrics_port)
     with client.connect(dsn) as conn:
         schema.require_current(conn)

@@ -6,6 +6,8 @@ Invariants:
 - the settings apply to every slot of the lane in the process from the statement after they are read:
   the timeouts to the next call, the lane's slot count to each session's next take or claim (each session
   reads the lane's news on its own connection and sets its own ``slots``);
+- recovery runs once per interval for the lane (its own timer, ``recover(lane)``), or, in a process on shared
+  sessions (pglane.shared), once per interval for every lane (the process's timer, ``recover()``);
 - the hard timeout is the worker's ``--timeout``, else the lane's job timeout plus the margin inside its
   lease (pglane.timing): one lane's timeouts never change another lane's;
 - a lane served by pattern (``--lanes-like``) is ``retired`` once the database no longer has it (its
@@ -25,7 +27,7 @@ from .errors import UnknownLane
 from .handler import Handler, Runner
 from .lifetime import Recovery, Waits
 from .metrics import LaneMetrics
-from .slot import LockSession
+from .session import SlotSession
 
 log = logging.getLogger("pglane.worker")
 
@@ -67,7 +69,7 @@ class ServedLane:
 
     def __init__(self, settings: Lane, slots: int, handler: Handler, watchdog: Watchdog, *,
                  timeout: float | None, recover_interval: float, metrics: LaneMetrics | None,
-                 by_pattern: bool = False) -> None:
+                 by_pattern: bool = False, recovery: Recovery | None = None) -> None:
         self.name = settings.name
         self.by_pattern = by_pattern  # served because its name matches --lanes-like: it may be retired
         self.retired = False  # the lane is gone from the database: its slot loops end (module doc)
@@ -76,11 +78,14 @@ class ServedLane:
         self.slots = slots  # how many slots of the lane the process takes (each a slot loop)
         self._timeout = timeout  # the worker's --timeout, if given: the hard timeout of every lane
         self.metrics = metrics
-        self.recovery = Recovery(recover_interval)
+        # The lane's own recovery timer; or the process's, which recovers every lane at once (a process on
+        # shared sessions: one recovery per interval, not one per lane).
+        self.recovery = recovery or Recovery(recover_interval)
+        self._recovers = None if recovery is not None else self.name  # recover()'s argument: this lane, or all
         self.caller = Caller(Runner(handler, threads=slots), watchdog, settings.job_timeout,
                              hard_timeout(settings, timeout), settings.max_result_bytes, metrics)
 
-    def reload(self, session: LockSession) -> None:
+    def reload(self, session: SlotSession) -> None:
         """The lane's settings as they are now (pglane lane set changes them while workers run): read at
         each session's start and after the lane's news, before the next claim. Slots apply to this
         session's next claim (one above the lane's slots is refused, and the slot loop takes a slot
@@ -101,11 +106,11 @@ class ServedLane:
         log.info("lane %s settings now: %s slot(s), job timeout %gs, hard timeout %gs, lease %gs",
                  new.name, new.slots, new.job_timeout, hard, new.lease_timeout)
 
-    def recover(self, session: LockSession) -> None:
-        row = session.execute(queries.RECOVER, (self.name,))
+    def recover(self, session: SlotSession) -> None:
+        row = session.execute(queries.RECOVER, (self._recovers,))
         if row and row["recover"]:
-            log.warning("recovered %s attempt(s) of lane %s whose worker was gone (marked lost)",
-                        row["recover"], self.name)
+            log.warning("recovered %s attempt(s) of %s whose worker was gone (marked lost)", row["recover"],
+                        f"lane {self.name}" if self._recovers else "the lanes")
         self.recovery.done()
 
     def retire(self) -> None:

@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Iterator
 
-from .slot import LockSession
+from .session import SlotSession
 
 log = logging.getLogger("pglane.worker")
 
@@ -33,10 +33,10 @@ class Waits:
     (Lifetime), a lane's retirement (pglane.lane)."""
 
     def __init__(self) -> None:
-        self._sessions: set[LockSession] = set()
+        self._sessions: set[SlotSession] = set()
 
     @contextlib.contextmanager
-    def interrupting(self, session: LockSession) -> Iterator[None]:
+    def interrupting(self, session: SlotSession) -> Iterator[None]:
         """While inside, interrupt_all() ends ``session``'s wait."""
         self._sessions.add(session)
         try:
@@ -59,7 +59,7 @@ class Lifetime:
         self.stop_requested = asyncio.Event()  # set once; what every wait of every slot also waits for
         self.waits = Waits()  # the sessions waiting idle, which a stop request interrupts
         self.hung: str | None = None  # why the process recycles (a handler outlived the hard timeout)
-        self.kept: list[LockSession] = []  # the hung calls' sessions: held, never released, until the exit
+        self.kept: list[SlotSession] = []  # the hung calls' sessions: held, never released, until the exit
 
     # ----- the end ---------------------------------------------------------------------------
 
@@ -69,7 +69,7 @@ class Lifetime:
             self.stop_requested.set()
             self.waits.interrupt_all()
 
-    def recycle(self, reason: str, session: LockSession) -> None:
+    def recycle(self, reason: str, session: SlotSession) -> None:
         """A handler outlived the hard timeout on ``session`` (its attempt recorded already): keep that
         session, and its slot, until the exit; stop the rest of the process, which then exits EXIT_HUNG."""
         self.kept.append(session)

@@ -31,7 +31,7 @@ from .errors import first_line
 from .handler import Outcome
 from .job import Claim
 from .metrics import LaneMetrics
-from .slot import LockSession
+from .session import SlotSession
 
 log = logging.getLogger("pglane.worker")
 
@@ -66,7 +66,7 @@ class Outbox:
         self.held = Unstored(claim, outcome)
         return self.held
 
-    def store(self, session: LockSession) -> None:
+    def store(self, session: SlotSession) -> None:
         """Write the held outcome alone (nothing if none). A session that dies meanwhile raises, and the
         outcome stays held."""
         if self.held is None:
@@ -118,7 +118,7 @@ class Outbox:
                      time.monotonic() - claim.sent_at)
 
 
-def session_lost(session: LockSession, exc: psycopg.Error) -> bool:
+def session_lost(session: SlotSession, exc: psycopg.Error) -> bool:
     """Whether an error means the session is gone (closed, a connection error, the server ending it),
     rather than the database refusing a statement on a session that lives on."""
     return session.closed or (exc.sqlstate or "08").startswith(("08", "57P"))

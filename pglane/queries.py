@@ -56,6 +56,18 @@ CREATE_LANE: LiteralString = (
 TRY_SLOT: LiteralString = "SELECT pg_try_advisory_lock(%s, %s)"
 WAIT_SLOT: LiteralString = "SELECT pg_advisory_lock(%s, %s)"
 RELEASE_SLOT: LiteralString = "SELECT pg_advisory_unlock(%s, %s)"
+# A shared session's standbys (pglane.shared): for each lane of %(lanes)s (with %(slots)s slots), the first of its
+# slots this session does not hold already (%(held)s: lane id << 32 | slot) that a try-lock takes, or NULL; at
+# most one per lane. CASE orders the test before the lock (SQL does not promise to evaluate AND left to right).
+STANDBY_TRY: LiteralString = (
+    "SELECT array_agg((SELECT s.slot FROM generate_series(1, w.slots) AS s(slot)"
+    " WHERE CASE WHEN (w.lane_id::bigint << 32 | s.slot) = ANY (%(held)s::bigint[]) THEN false"
+    " ELSE pg_try_advisory_lock(w.lane_id, s.slot) END LIMIT 1) ORDER BY w.n) AS taken"
+    " FROM unnest(%(lanes)s::integer[], %(slots)s::integer[]) WITH ORDINALITY AS w(lane_id, slots, n)")
+# A shared session's poll (pglane.shared): which of the lanes %s have a queued job whose run_after has come.
+DUE_LANES: LiteralString = (
+    "SELECT coalesce(array_agg(l.id), '{}') AS due FROM pglane.lanes l WHERE l.id = ANY (%s::integer[])"
+    " AND EXISTS (SELECT 1 FROM pglane.jobs j WHERE j.lane = l.name AND j.in_queue AND j.run_after <= now())")
 # Which slot this session holds, for the claim to check first (an order, never a permission).
 SLOT_HINT: LiteralString = "SELECT set_config('pglane.slot', %s, false)"
 

@@ -1,5 +1,6 @@
-"""The slot: one dedicated, direct database session that holds a lane's slot lock, listens for its
-wake-ups and runs its claims.
+"""The dedicated slot session: one direct database session (pglane.session) that holds one slot of one
+lane, listens for its wake-ups and runs its claims. A process whose slots share a few sessions
+(``--sessions K``) uses pglane.shared instead; both offer a slot loop the same ``SlotSession``.
 
 Owns the lock connection. Invariants:
 - the session holds at most one slot, taken once (advisory locks stack; a second take would need a
@@ -11,8 +12,8 @@ Owns the lock connection. Invariants:
   (``ignored``), the first one logged; a flood of any of them costs claims at most the worker's cap.
 - a standby learns of a raised slot count: it listens while it waits and reads the lane again on its news
   and every ``recheck`` seconds anyway (`wait_take`).
-- the session is never silent for long unnoticed: every statement runs under a deadline (``liveness``,
-  10 s by default) past which the ``Fuse`` cuts the socket, and during a call ``watch()`` asks the
+- the session is never silent for long unnoticed: every statement runs under a deadline (pglane.session),
+  and during a call ``watch()`` asks the
   server a question whenever nothing arrived for a quarter of that time and takes the session for lost
   when no answer comes within the rest. A silent network (packets dropped, nothing closed, which TCP itself may not
   notice for minutes) is thus noticed within ``liveness`` seconds during a call, and within the poll
@@ -34,131 +35,37 @@ in a thread of its own, so that the other slots of the process (pglane.worker) r
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
-import select
-import socket
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, LiteralString
+from typing import Any
 
 import psycopg
 from psycopg import sql
-from psycopg.rows import dict_row
-from psycopg.types.string import TextLoader
 
 from . import queries
+from .session import LIVENESS, SETTINGS, Session, open_connection
 
 log = logging.getLogger("pglane.worker")
 
-LIVENESS = 10.0  # seconds a lock session may stay silent before it is taken for lost (--liveness)
-# Dead-peer detection by the kernel beside it (libpq keepalives; ignored on Unix sockets): a silent
-# host is noticed after about idle + interval * count = 5 + 2 * 3 = 11 seconds, unacknowledged data
-# after 10 s. They cannot see a peer that acknowledges and never answers (a hung proxy or server):
-# the liveness checks do.
-KEEPALIVES: dict[str, Any] = {
-    "connect_timeout": 10,
-    "keepalives": 1,
-    "keepalives_idle": 5,
-    "keepalives_interval": 2,
-    "keepalives_count": 3,
-    "tcp_user_timeout": 10000,
-}
 STANDBY_WAIT = "500ms"  # one blocking wait for a busy slot; bounded so that a stop request (and news) is seen
-SETTINGS = "settings"  # the payload of pglane.set_lane's NOTIFY (sql/lanes.sql); '' is a plain wake-up
-
-
-class Fuse(threading.Thread):
-    """Cuts a lock session whose statement has not returned by its deadline: it shuts the socket down,
-    so that libpq's blocked read returns and the statement fails with OperationalError. Arming costs
-    one attribute assignment per statement (atomic under the GIL); the thread looks every TICK."""
-
-    TICK = 0.25
-
-    def __init__(self, fd: int) -> None:
-        super().__init__(name="pglane-fuse", daemon=True)
-        self.fd = fd
-        self.deadline: float | None = None  # time.monotonic(); set by the event loop only
-        self.blown = False
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        while not self.done.wait(self.TICK):
-            deadline = self.deadline
-            if deadline is not None and time.monotonic() > deadline and not self.blown:
-                self.blown = True
-                log.error("the lock session was silent past its deadline; cutting it")
-                with contextlib.suppress(OSError):
-                    cut = socket.socket(fileno=os.dup(self.fd))
-                    cut.shutdown(socket.SHUT_RDWR)
-                    cut.close()
-
-
-class LockSession:
+class LockSession(Session):
     def __init__(self, conn: psycopg.Connection[dict[str, Any]], lane_id: int, slots: int,
                  liveness: float = LIVENESS) -> None:
-        self.conn = conn
+        super().__init__(conn, liveness)
         self.lane_id = lane_id
         self.slots = slots
-        self.liveness = liveness
         self.slot: int | None = None  # the slot this session holds; only _took and release change it
         self.channel = f"pglane_{lane_id}"
         self._waiting: asyncio.Future[bool] | None = None  # the wait interrupt() ends; set by _readable only
-        self._fuse = Fuse(conn.fileno())
-        self._fuse.start()
-        self._unanswered = False  # a liveness question whose answer is still to be read (see _ping)
         self.news = False  # a NOTIFY 'settings' came (the lane's settings changed); the worker clears it
         self.ignored = 0  # notifications on the channel that were neither a wake-up nor news (not pglane's)
-
-    @property
-    def closed(self) -> bool:
-        """The session is gone: nothing more can run on it."""
-        return bool(self.conn.closed)
-
-    def execute(self, query: LiteralString | sql.Composed, params: Any = None,
-                within: float | None = None) -> dict[str, Any] | None:
-        """Run one statement on the session under the liveness deadline (or a shorter one, ``within``
-        seconds); its first row (None if none)."""
-        deadline = time.monotonic() + (self.liveness if within is None else min(within, self.liveness))
-        self._fuse.deadline = deadline
-        try:
-            if self._unanswered:  # first the answer to the question a finished call left open
-                self._read_answer(deadline)
-            cur = self.conn.execute(query, params)
-            return cur.fetchone() if cur.description is not None else None
-        finally:
-            self._fuse.deadline = None
-
-    def _read_answer(self, deadline: float) -> None:
-        """Read the answer to an open liveness question by ``deadline``, waiting in select() (which lets
-        other threads run: libpq's own blocking read would hold the GIL, and so stop the fuse and the
-        watchdog); OperationalError when none comes."""
-        pgconn = self.conn.pgconn
-        while True:
-            pgconn.consume_input()
-            if not pgconn.is_busy():
-                while pgconn.get_result() is not None:  # buffered: returns at once
-                    pass
-                self._unanswered = False
-                return
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.conn.fileno()], [], [], left)[0]:
-                self.conn.close()
-                raise psycopg.OperationalError("the lock session was silent: no answer to a liveness check")
+        self.session_polls = False  # the slot loop polls the lane itself, every poll interval
 
     @classmethod
     def connect(cls, dsn: str, lane_id: int, slots: int, name: str, liveness: float = LIVENESS) -> LockSession:
-        conn = psycopg.Connection.connect(
-            dsn, autocommit=True, row_factory=dict_row, application_name=f"pglane {name}"[:63], **KEEPALIVES
-        )
-        # A claim's payload and token arrive as text: the worker decodes the payload itself, so that one
-        # no decoder accepts fails its attempt rather than the fetch (pglane.job.Claim.from_row).
-        for type_name in ("jsonb", "uuid"):
-            conn.adapters.register_loader(type_name, TextLoader)
-        return cls(conn, lane_id, slots, liveness)
+        return cls(open_connection(dsn, f"pglane {name}"), lane_id, slots, liveness)
 
     def try_take(self) -> bool:
         """Take any free slot at once; False when all are held by others."""
@@ -314,19 +221,14 @@ class LockSession:
         and raise OperationalError. Cancelled meanwhile (the call ended), the answer is left to be
         read by the session's next statement, under its own deadline, never here: this must not
         block the event loop."""
+        self.ask()
         pgconn = self.conn.pgconn
-        pgconn.send_query(b"SELECT 1")
-        pgconn.flush()
-        self._unanswered = True
         deadline = time.monotonic() + within
         while True:
             pgconn.consume_input()
             while pgconn.notifies() is not None:
                 pass
-            if not pgconn.is_busy():
-                while pgconn.get_result() is not None:
-                    pass
-                self._unanswered = False
+            if self.answered():
                 return
             if not await self._readable(max(0.0, deadline - time.monotonic())) and time.monotonic() >= deadline:
                 self.conn.close()
@@ -344,5 +246,4 @@ class LockSession:
             pass  # the session is gone, and with it the lock
         finally:
             self.slot = None
-            self._fuse.done.set()
-            self.conn.close()
+            self.close()

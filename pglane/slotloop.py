@@ -43,7 +43,7 @@ Invariants:
   in the outbox and is delivered first after reconnecting;
 - a stop never cuts a call off: the slot loop finishes the current call, writes its outcome and
   releases the slot;
-- the slot loop talks to its session only through LockSession's methods, and never blocks the event
+- the slot loop talks to its session only through SlotSession's methods, and never blocks the event
   loop longer than one statement's round trip: the other slots of the process run meanwhile;
 - no claim is sent once the process is done (``Lifetime.done()`` is read, with no await between, before
   every claim), so --max-jobs bounds the claims of all the process's slots together;
@@ -75,7 +75,7 @@ from .lane import ServedLane
 from .lifetime import Lifetime
 from .outbox import Outbox, session_lost
 from .pacing import Pacing
-from .slot import LockSession
+from .session import SlotSession
 
 log = logging.getLogger("pglane.worker")
 
@@ -89,12 +89,12 @@ LOOP_TURN = 0.05
 class SlotLoop:
     """One slot of one lane, held in turn by sessions; its own state is the last claim's pacing
     (pglane.pacing) and the outcome not yet stored (pglane.outbox). It gets its sessions from ``connect``
-    and uses them through LockSession's methods only; ``claim`` is the process's claim hook
+    and uses them through SlotSession's methods only; ``claim`` is the process's claim hook
     (``Worker._claim``), through which every claim_or_wait of this slot goes."""
 
     def __init__(self, lane: ServedLane, lifetime: Lifetime, name: str, *, poll_interval: float,
-                 connect: Callable[[ServedLane], LockSession],
-                 claim: Callable[[SlotLoop, LockSession], Claim | None]) -> None:
+                 connect: Callable[[ServedLane], SlotSession],
+                 claim: Callable[[SlotLoop, SlotSession], Claim | None]) -> None:
         self.lane = lane
         self.lifetime = lifetime
         self.name = name  # the worker's name, recorded on attempts
@@ -177,7 +177,7 @@ class SlotLoop:
             if session not in self.lifetime.kept:
                 session.release()
 
-    async def _take_slot(self, session: LockSession) -> bool:
+    async def _take_slot(self, session: SlotSession) -> bool:
         """Take a free slot, or wait as a standby until one frees (or the lane gets more slots: its news,
         or each poll interval, reads the lane again); False if asked to stop first."""
         lane = self.lane
@@ -191,7 +191,7 @@ class SlotLoop:
 
     # ----- holding the slot: run the job held, else wait and claim ---------------------------
 
-    async def _drain(self, session: LockSession) -> None:
+    async def _drain(self, session: SlotSession) -> None:
         """Holding the slot, until done: run the job held, else wait and claim (module doc)."""
         claim = None if self._ended() else self._claim(self, session)  # done while this slot waited
         turn = time.monotonic() + LOOP_TURN
@@ -209,11 +209,11 @@ class SlotLoop:
             else:
                 claim = await self._wait_and_claim(session)
 
-    def _call(self, session: LockSession, claim: Claim) -> Coroutine[Any, Any, Outcome]:
+    def _call(self, session: SlotSession, claim: Claim) -> Coroutine[Any, Any, Outcome]:
         """Calling (pglane.call); a plain method handing on the call's coroutine, so it costs no second one."""
         return self.lane.caller.call(session, claim)
 
-    async def _wait_and_claim(self, session: LockSession) -> Claim | None:
+    async def _wait_and_claim(self, session: SlotSession) -> Claim | None:
         """Idle: recover the lane if due (when idle, and between jobs of a long busy spell), else wait for
         a wake-up, no sooner than the pacing allows; then claim. None once done."""
         if self.lane.recovery.due():
@@ -234,12 +234,12 @@ class SlotLoop:
             session.forget_wakes()
         return claim
 
-    async def _idle(self, session: LockSession) -> None:
+    async def _idle(self, session: SlotSession) -> None:
         """Wait for a NOTIFY, the poll interval, the lane's next recovery, the pacing's bound, the end of
         life, or a stop."""
         now = time.monotonic()
-        bounds = (self.poll_interval, self.lane.recovery.due_in(now), self._pacing.wait_bound(now),
-                  self.lifetime.ends_in(now))
+        bounds = (None if session.session_polls else self.poll_interval, self.lane.recovery.due_in(now),
+                  self._pacing.wait_bound(now), self.lifetime.ends_in(now))
         timeout = min(b for b in bounds if b is not None)
         if self.lifetime.stopping or self.lane.retired:
             return
@@ -251,11 +251,11 @@ class SlotLoop:
 
     # ----- claim and store ------------------------------------------------------------------
 
-    def claim(self, session: LockSession) -> Claim | None:
+    def claim(self, session: SlotSession) -> Claim | None:
         """Claim a job of the lane on the session (claim_or_wait); the process's claim hook ends here."""
         return self._claim_round_trip(session, queries.CLAIM_OR_WAIT, (self.lane.name, self.name))[0]
 
-    def _claim_round_trip(self, session: LockSession, query: LiteralString,
+    def _claim_round_trip(self, session: SlotSession, query: LiteralString,
                           params: tuple[Any, ...]) -> tuple[Claim | None, dict[str, Any] | None]:
         """Run a statement that claims (claim_or_wait, or complete_and_claim): the claim its row holds,
         stamped with when the statement was sent (the call's deadlines count from then), and the row;
@@ -279,7 +279,7 @@ class SlotLoop:
         self._pacing = Pacing.from_row(row, claim is not None, now)
         return claim, row
 
-    def _store_and_claim(self, session: LockSession, claim: Claim, outcome: Outcome) -> Claim | None:
+    def _store_and_claim(self, session: SlotSession, claim: Claim, outcome: Outcome) -> Claim | None:
         """Store the outcome and claim the next job: one round trip for a result (the fast path). Only
         stored, nothing claimed, when the process is done, the lane's recovery is due (it runs first), or
         the lane's rate limit said this slot's next start must wait."""

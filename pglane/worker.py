@@ -64,9 +64,11 @@ from .errors import ConfigurationError, DatabaseUnavailable, UnknownLane, first_
 from .handler import Handler
 from .job import Claim
 from .lane import Lane, ServedLane, violations
-from .lifetime import Lifetime
+from .lifetime import Lifetime, Recovery
 from .metrics import Metrics
-from .slot import KEEPALIVES, LIVENESS, LockSession
+from .session import KEEPALIVES, LIVENESS, SESSIONS, SlotSession
+from .shared import Sessions
+from .slot import LockSession
 from .slotloop import SlotLoop
 
 log = logging.getLogger("pglane.worker")
@@ -88,6 +90,7 @@ class WorkerOptions:
     name: str | None = None
     metrics_port: int | None = None  # serve Prometheus metrics on 127.0.0.1:PORT
     liveness: float = LIVENESS  # a lock session silent this long is taken for lost
+    sessions: int = SESSIONS  # --sessions: more slots than this (or --lanes-like) share this many sessions
 
 
 def plan(lanes: Mapping[str, int] | Iterable[str], handler: H | None,
@@ -157,6 +160,16 @@ class Worker:
         self._watchdog: Watchdog | None = None
         self._metrics: Metrics | None = None
         self._refused: set[int] = set()  # ids of matching lanes not served (a timing rule broken): logged once
+        if not isinstance(self.options.sessions, int) or self.options.sessions < 1:
+            raise ConfigurationError(f"--sessions {self.options.sessions}: a worker needs at least 1 session")
+        # More slots than --sessions, or lanes by pattern (how many is not known): the slots share that many
+        # sessions (pglane.shared), with one recovery timer for every lane; else each slot has its own.
+        self._shared: Sessions | None = None
+        self._recovery: Recovery | None = None
+        if lanes_like is not None or sum(n for n, _ in self.plan.values()) > self.options.sessions:
+            self._shared = Sessions(dsn, self.options.sessions, self.name, self.options.poll_interval,
+                                    self.options.liveness)
+            self._recovery = Recovery(self.options.recover_interval)
 
     @property
     def jobs_run(self) -> int:
@@ -207,6 +220,8 @@ class Worker:
                       "finished first)", self.lifetime.hung, EXIT_HUNG)
             logging.shutdown()
             os._exit(EXIT_HUNG)  # the hung thread cannot be stopped, nor joined: the process must go
+        if self._shared is not None:
+            self._shared.close()  # after the hung exit: a hung call's shared session stays held until then
         if failure is not None:
             raise failure
         return EXIT_UNSTORED if unstored else EXIT_OK
@@ -216,7 +231,8 @@ class Worker:
         o = self.options
         assert self._watchdog is not None
         lane = ServedLane(settings, n, handler, self._watchdog, timeout=o.timeout, recover_interval=o.recover_interval,
-                          metrics=self._metrics.lane(settings.name) if self._metrics else None, by_pattern=by_pattern)
+                          metrics=self._metrics.lane(settings.name) if self._metrics else None, by_pattern=by_pattern,
+                          recovery=self._recovery)
         self.served[settings.name] = lane
         self._every_lane.append(lane)
         s = lane.settings
@@ -366,12 +382,15 @@ class Worker:
 
     # ----- what every slot loop gets from the process -----------------------------------------
 
-    def _connect(self, lane: ServedLane) -> LockSession:
-        """A session of its own for a slot of ``lane``: a dedicated lock connection."""
+    def _connect(self, lane: ServedLane) -> SlotSession:
+        """A session for a slot of ``lane``: a place on one of the process's shared sessions, or (a process
+        with no more slots than --sessions) a dedicated lock connection of its own."""
         s = lane.settings
+        if self._shared is not None:
+            return self._shared.place(s.id, s.slots)
         return LockSession.connect(self.dsn, s.id, s.slots, f"{s.name} {self.name}", self.options.liveness)
 
-    def _claim(self, slot: SlotLoop, session: LockSession) -> Claim | None:
+    def _claim(self, slot: SlotLoop, session: SlotSession) -> Claim | None:
         """Every claim_or_wait of every slot goes through here, on the slot's session (a subclass may
         watch the claims)."""
         return slot.claim(session)
