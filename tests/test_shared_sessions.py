@@ -21,8 +21,9 @@ from tests.test_many_lanes import PAID, all_done, create, held_by_one_process, s
 
 def connections(conn: Any, name: str) -> list[dict[str, Any]]:
     """The server sessions of the worker named ``name`` (its sessions' application_name carries it)."""
-    return conn.execute("SELECT pid, application_name FROM pg_stat_activity WHERE application_name LIKE %s",
-                        (f"%{name}%",)).fetchall()
+    rows: list[dict[str, Any]] = conn.execute(
+        "SELECT pid, application_name FROM pg_stat_activity WHERE application_name LIKE %s", (f"%{name}%",)).fetchall()
+    return rows
 
 
 def test_200_lanes_on_4_sessions_run_each_job_once_in_order_with_a_gapless_seq(
@@ -68,7 +69,11 @@ def test_a_cut_shared_session_loses_each_attempt_on_it_and_its_slots_are_taken_a
     # session recovers them), while its calls go on: the lanes' next jobs wait for the slots again.
     for name in on_victim:
         job = calls[name]
-        wait_until(lambda job=job: pglane.attempts(conn, job)[0]["status"] == "lost", 6, "the lost attempt")
+
+        def lost(job: int = job) -> bool:
+            return bool(pglane.attempts(conn, job)[0]["status"] == "lost")
+
+        wait_until(lost, 6, "the lost attempt")
         assert "the paid call may have been made" in pglane.job_status(conn, job)["last_error"]
     assert not any(event == "end" for event, _, _, _ in ledger.events())  # all while the calls went on
     # The calls end: each result is delivered by the slot's next session (the attempt's token), a late
