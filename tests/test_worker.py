@@ -16,7 +16,7 @@ import pytest
 
 import pglane
 from pglane.job import Claim
-from pglane.slot import LockSession
+from pglane.session import SlotSession
 from pglane.slotloop import SlotLoop
 from pglane.worker import Worker, WorkerOptions
 from tests.conftest import Ledger, Workers, claim, metrics_port, scrape, slot_holder, take_slot, terminate, wait_until
@@ -94,13 +94,13 @@ class JobJustAfterAnEmptyClaim(Worker):
         self.armed = threading.Event()
         self.job: int | None = None
 
-    def _claim(self, slot: SlotLoop, session: LockSession) -> Claim | None:
+    def _claim(self, slot: SlotLoop, session: SlotSession) -> Claim | None:
         job = super()._claim(slot, session)
         if job is None and self.armed.is_set():
             self.armed.clear()
             with pglane.connect(self.dsn) as other:
                 self.job = pglane.enqueue(other, self.lane_name, {})
-            session.conn.execute("SELECT 1")  # the job's NOTIFY has now reached this connection
+            session.execute("SELECT 1")  # the job's NOTIFY has now reached this connection
         return job
 
 
