@@ -51,23 +51,26 @@ BEGIN
         HINT = 'take a slot first with pg_advisory_lock(lane id, slot number), as pglane worker does';
 END $$;
 
--- lane_consumers: how many sessions hold a slot of the lane right now (session advisory locks).
+-- lane_consumers: how many of the lane's slots are held right now (session advisory locks). A slot, not a
+-- session: a worker on shared sessions (pglane worker --sessions K) may hold two slots of a lane on one
+-- session, and each is a consumer. One row of pg_locks per slot held: an exclusive lock has one holder,
+-- and a session that took it twice still shows one row.
 CREATE OR REPLACE FUNCTION pglane.lane_consumers(p_lane_id integer, p_slots integer) RETURNS integer
 LANGUAGE sql STABLE
 SET search_path = pg_catalog, pglane, pg_temp
 AS $$
-    SELECT count(DISTINCT h.pid)::integer FROM pglane.slot_holders h
+    SELECT count(*)::integer FROM pglane.slot_holders h
      WHERE h.lane_id = p_lane_id AND h.slot <= p_slots AND h.granted AND h.mode = 'ExclusiveLock';
 $$;
 
--- lanes_consumers: {lane id: sessions holding a slot of it right now} (lane_consumers() for every lane).
+-- lanes_consumers: {lane id: its slots held right now} (lane_consumers() for every lane).
 -- One of job_status's lane maps, read once per statement (views.sql).
 CREATE OR REPLACE FUNCTION pglane.lanes_consumers() RETURNS jsonb
 LANGUAGE sql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
 AS $$
     SELECT jsonb_object_agg(c.lane_id::text, c.consumers)
-      FROM (SELECT h.lane_id, count(DISTINCT h.pid) AS consumers FROM pglane.slot_holders h
+      FROM (SELECT h.lane_id, count(*) AS consumers FROM pglane.slot_holders h
              WHERE h.granted AND h.mode = 'ExclusiveLock' GROUP BY h.lane_id) c;
 $$;
 

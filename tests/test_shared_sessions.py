@@ -185,3 +185,20 @@ def test_a_job_whose_run_after_comes_is_found_by_the_sessions_poll(conn: Any, wo
     wait_until(all_done(conn, [job]), 10, "the delayed job, found by the poll (no notification comes when it is due)")
     waited = start_delays(conn, [job])[0]
     assert 1.0 <= waited < 4.0, waited
+
+
+def test_two_slots_of_a_lane_on_one_session_are_two_consumers_and_run_two_calls(
+    conn: Any, workers: Workers, ledger: Ledger
+) -> None:
+    lanes = {"two": 2, "one": 1}
+    workers.start_lanes(create(conn, lanes), *PAID, "--sessions", "1")
+    wait_until(lambda: len(slot_holder(conn, "two")) == 2 and len(slot_holder(conn, "one")) == 1, 30, "every slot")
+    assert len(set(slot_holder(conn, "two") + slot_holder(conn, "one"))) == 1  # all three on the one session
+    consumers = {r["lane"]: r["consumers"] for r in pglane.lane_status(conn)}
+    assert consumers == {"two": 2, "one": 1}  # slots held, not sessions (revision 0015)
+    jobs = [pglane.enqueue(conn, "two", {"sleep": 1}) for _ in range(2)]
+    wait_until(all_done(conn, jobs), 20, "both jobs")
+    (_, a_end, _), (b_start, _, _) = sorted(ledger.intervals())
+    assert b_start < a_end  # the lane's two slots called side by side, on one session
+    attempts = [pglane.attempts(conn, j)[0] for j in jobs]
+    assert attempts[0]["backend_pid"] == attempts[1]["backend_pid"]
