@@ -208,13 +208,20 @@ def test_max_jobs_counts_the_jobs_of_every_lane_of_the_process(
     assert statuses.count("done") == max_jobs and statuses.count("queued") == len(jobs) - max_jobs
 
 
-def test_each_lane_keeps_its_own_timeouts_rate_and_pause(conn: Any, workers: Workers, ledger: Ledger) -> None:
+# Each slot on its own session (a process with no more slots than --sessions), or all on one shared session.
+SESSIONS = pytest.mark.parametrize("sessions", [[], ["--sessions", "1"]], ids=["dedicated", "shared"])
+
+
+@SESSIONS
+def test_each_lane_keeps_its_own_timeouts_rate_and_pause(
+    conn: Any, workers: Workers, ledger: Ledger, sessions: list[str]
+) -> None:
     pglane.create_lane(conn, "quick", job_timeout=1, lease_timeout=3)
     pglane.create_lane(conn, "long", job_timeout=20)
     pglane.create_lane(conn, "rated", job_timeout=20, rate="1/2s")
     pglane.create_lane(conn, "paused", job_timeout=20)
     pglane.pause_lane(conn, "paused")
-    workers.start_lanes(["quick", "long", "rated", "paused"], "--handler", "tests.handlers:async_paid_call")
+    workers.start_lanes(["quick", "long", "rated", "paused"], "--handler", "tests.handlers:async_paid_call", *sessions)
     quick, long = pglane.enqueue(conn, "quick", {"sleep": 2.5}), pglane.enqueue(conn, "long", {"sleep": 2.5})
     rated = [pglane.enqueue(conn, "rated", {}) for _ in range(3)]
     paused = pglane.enqueue(conn, "paused", {})
@@ -228,15 +235,16 @@ def test_each_lane_keeps_its_own_timeouts_rate_and_pause(conn: Any, workers: Wor
     wait_until(all_done(conn, [paused]), 20, "the resumed lane's job")
 
 
+@SESSIONS
 def test_a_call_past_its_hard_timeout_stops_every_lane_and_exits_75_once_the_other_calls_finished(
-    conn: Any, workers: Workers, ledger: Ledger
+    conn: Any, workers: Workers, ledger: Ledger, sessions: list[str]
 ) -> None:
     pglane.create_lane(conn, "stuck", job_timeout=1, lease_timeout=3)  # hard timeout 2 s
     pglane.create_lane(conn, "busy", job_timeout=20)
     stuck = pglane.enqueue(conn, "stuck", {"sleep": 60})  # a sync handler: it cannot be cancelled
     busy = pglane.enqueue(conn, "busy", {"sleep": 5, "result": "paid"})
     waiting = pglane.enqueue(conn, "busy", {})
-    proc = workers.start_lanes(["stuck", "busy"], *PAID)
+    proc = workers.start_lanes(["stuck", "busy"], *PAID, *sessions)
     assert proc.wait(60) == 75
     attempt = pglane.attempts(conn, stuck)[0]
     assert attempt["status"] == "timed_out" and "hard timeout" in attempt["error"]
