@@ -184,6 +184,9 @@ SCENARIOS: dict[str, Scenario] = {  # the parts of a server's run first, in the 
                         " statements", module="profile"),
     "groups": Scenario("what a lane's groups cost: claim latency and a worker's throughput with 10,000 groups"
                        " and 100k queued, enqueue; 6 workers never run two of a group", module="groups"),
+    "lanes": Scenario("1,000 one-slot lanes in one process: its connections, idle CPU, wake against a one-lane"
+                      " worker; 100 busy lanes in one process against 100 processes and floor_one_commit",
+                      module="lanes"),
 }
 PER_SERVER = tuple(name for name, s in SCENARIOS.items() if s.measure is not None)
 
