@@ -2,7 +2,8 @@
 
 ``pglane worker a=2 b --handler M:C`` (or ``pglane.Worker(dsn, lanes={"a": 2, "b": 1}, handler=...)``)
 runs one slot loop (pglane.slotloop) per slot: two of lane a, one of b, each in a task of its own,
-each with its own lock session for now (docs/design.md, "The lock connection"). Owns what belongs to the
+each on its own lock session, or, with more slots than ``--sessions K`` (or ``--lanes-like``), all of them on K
+shared sessions (pglane.shared; docs/design.md, "Shared sessions"). Owns what belongs to the
 process, not to a slot or a lane: the signal handlers, the one metrics server, the pooler refusal (once),
 the lifetime (--max-jobs and --max-lifetime counted over the process, the stop request every slot
 shares), the watchdog, and the exit status. What belongs to a lane (its settings and their reload, its
