@@ -72,7 +72,7 @@ class SharedSession(Session):
         self._round: asyncio.Future[None] | None = None  # the next standby try (its task: _standby_rounds)
         self._watchers = 0  # places in a call (watch): while any, the liveness check runs
         self._heard = time.monotonic()  # when the session last received anything
-        self._asked: float | None = None  # when the open liveness question was sent
+        self._asked: float | None = None  # when the last liveness question was sent (open while ``unanswered``)
         self.ignored = 0  # notifications that were neither a wake-up nor news (not pglane's)
         loop = asyncio.get_running_loop()
         self.lost: asyncio.Future[None] = loop.create_future()  # fails once the session is found gone
@@ -117,8 +117,8 @@ class SharedSession(Session):
             while (n := pgconn.notifies()) is not None:
                 if pgconn.notify_handler is not None:
                     pgconn.notify_handler(n)
-            if self.unanswered and self.answered():
-                self._asked = None
+            if self.unanswered:
+                self.answered()
         except psycopg.Error as exc:
             self.gone(str(exc))
             return
@@ -217,10 +217,10 @@ class SharedSession(Session):
         while self._watchers and not self.lost.done():
             await asyncio.sleep(quarter)
             now = time.monotonic()
-            if self._asked is not None:
-                if now - self._asked >= self.liveness * 3 / 4:
+            if self.unanswered:  # asked (by this check: a statement would have read the answer first)
+                if self._asked is not None and now - self._asked >= self.liveness * 3 / 4:
                     self.gone(f"silent for {self.liveness:g}s (no answer to a liveness check)")
-            elif now - self._heard >= quarter and not self.unanswered:
+            elif now - self._heard >= quarter:
                 try:
                     self.ask()
                 except psycopg.Error as exc:

@@ -125,15 +125,21 @@ def test_network_faults_at_random_moments_of_paid_calls(
     print(f"{takeover}: {CUTS} cuts {seen}, attempts {outcomes}, overlaps {seen_overlaps}")
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["dedicated", "shared"])
 @pytest.mark.parametrize("kind", ["silent", "to_server", "to_client"])
 def test_a_silent_or_one_way_partition_during_a_call_is_noticed_within_the_liveness_deadline(
-    dsn: str, conn: Any, workers: Workers, ledger: Ledger, kind: str
+    dsn: str, conn: Any, workers: Workers, ledger: Ledger, kind: str, shared: bool
 ) -> None:
     liveness = 2.0
     pglane.create_lane(conn, "quiet", job_timeout=20)
+    pglane.create_lane(conn, "idle", job_timeout=20)  # shared: two lanes on one session (--sessions 1)
     with NetProxy.for_dsn(dsn) as proxy:
-        proc = workers.start("quiet", "tests.handlers:paid_call", "--liveness", str(liveness),
-                             env={"PGLANE_DSN": proxy.dsn_through(dsn)})
+        env = {"PGLANE_DSN": proxy.dsn_through(dsn)}
+        if shared:
+            proc = workers.start_lanes(["quiet", "idle"], "--handler", "tests.handlers:paid_call", "--sessions", "1",
+                                       "--liveness", str(liveness), env=env)
+        else:
+            proc = workers.start("quiet", "tests.handlers:paid_call", "--liveness", str(liveness), env=env)
         job = pglane.enqueue(conn, "quiet", {"sleep": 8})
         wait_until(lambda: started(ledger, job), 30, "the call to start")
         with fault(proxy, kind):
