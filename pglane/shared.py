@@ -82,10 +82,6 @@ class SharedSession(Session):
         loop.add_reader(conn.fileno(), self._on_readable)
         self._spawn(self._poll())
 
-    @classmethod
-    def connect(cls, dsn: str, name: str, poll_interval: float, liveness: float = LIVENESS) -> SharedSession:
-        return cls(open_connection(dsn, f"pglane {name}"), poll_interval, liveness)
-
     def place(self, lane_id: int, slots: int) -> SharedSlot:
         """A place for a slot loop of lane ``lane_id`` (``slots`` slots) on this session."""
         place = SharedSlot(self, lane_id, slots)
@@ -416,23 +412,30 @@ class Sessions:
         self.liveness = liveness
         self.poll_interval = poll_interval
         self._sessions: list[SharedSession | None] = [None] * size
+        self._opening = [asyncio.Lock() for _ in range(size)]  # one opening of each session at a time
+        self._coming: list[list[int]] = [[] for _ in range(size)]  # lane ids of the places being made on each
 
-    def place(self, lane_id: int, slots: int) -> SharedSlot:
+    async def place(self, lane_id: int, slots: int) -> SharedSlot:
         """A place for a slot of lane ``lane_id``: on the session with the fewest places of that lane, then
-        the fewest places (a gone session counts as none); opened first if need be (OperationalError when
-        the database cannot be reached)."""
+        the fewest places (a gone session counts as none); opened first if need be, in a thread (the other
+        slots run on meanwhile), once for all the slots that need it (OperationalError when the database
+        cannot be reached)."""
         def load(i: int) -> tuple[int, int]:
-            s = self._sessions[i]
-            if s is None or s.lost.done():
-                return (0, 0)
-            return (sum(1 for p in s.places if p.lane_id == lane_id), len(s.places))
+            s, coming = self._sessions[i], self._coming[i]
+            lanes = [] if s is None or s.lost.done() else [p.lane_id for p in s.places]
+            return (lanes.count(lane_id) + coming.count(lane_id), len(lanes) + len(coming))
 
         i = min(range(self.size), key=load)
-        session = self._sessions[i]
-        if session is None or session.lost.done():
-            session = self._sessions[i] = SharedSession.connect(self.dsn, f"{self.name} session {i + 1}",
-                                                                self.poll_interval, self.liveness)
-        return session.place(lane_id, slots)
+        self._coming[i].append(lane_id)  # counted as placed there while the session opens
+        try:
+            async with self._opening[i]:
+                session = self._sessions[i]
+                if session is None or session.lost.done():
+                    conn = await asyncio.to_thread(open_connection, self.dsn, f"pglane {self.name} session {i + 1}")
+                    session = self._sessions[i] = SharedSession(conn, self.poll_interval, self.liveness)
+            return session.place(lane_id, slots)
+        finally:
+            self._coming[i].remove(lane_id)
 
     def close(self) -> None:
         for session in self._sessions:

@@ -44,7 +44,8 @@ Invariants:
 - a stop never cuts a call off: the slot loop finishes the current call, writes its outcome and
   releases the slot;
 - the slot loop talks to its session only through SlotSession's methods, and never blocks the event
-  loop longer than one statement's round trip: the other slots of the process run meanwhile;
+  loop longer than one statement's round trip (a connection is opened in a thread: a silent network
+  would hold the loop up to connect_timeout): the other slots of the process run meanwhile;
 - no claim is sent once the process is done (``Lifetime.done()`` is read, with no await between, before
   every claim), so --max-jobs bounds the claims of all the process's slots together;
 - no NOTIFY is dropped unanswered: one is forgotten only after a claim that found a job (another claim
@@ -60,7 +61,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, LiteralString
 
 import psycopg
@@ -93,7 +94,7 @@ class SlotLoop:
     (``Worker._claim``), through which every claim_or_wait of this slot goes."""
 
     def __init__(self, lane: ServedLane, lifetime: Lifetime, name: str, *, poll_interval: float,
-                 connect: Callable[[ServedLane], SlotSession],
+                 connect: Callable[[ServedLane], Awaitable[SlotSession]],
                  claim: Callable[[SlotLoop, SlotSession], Claim | None]) -> None:
         self.lane = lane
         self.lifetime = lifetime
@@ -150,9 +151,11 @@ class SlotLoop:
         """Connect, deliver an outcome still held, LISTEN, take a slot (or wait as a standby), recover, drain."""
         lane = self.lane
         try:
-            session = self._connect(lane)
+            session = await self._open()
         except psycopg.OperationalError as exc:
             raise DatabaseUnavailable(first_line(exc)) from None
+        if session is None:
+            return  # stopped while connecting, with no outcome to deliver
         held = False
         try:
             self.outbox.store(session)
@@ -176,6 +179,22 @@ class SlotLoop:
                 lane.metrics.slot_held.dec()
             if session not in self.lifetime.kept:
                 session.release()
+
+    async def _open(self) -> SlotSession | None:
+        """The slot's next session (Worker._connect); None if a stop came first and the slot has no outcome to
+        deliver: a silent network holds a connection attempt up to its connect_timeout, which must not hold
+        up the process's exit (a hung call's lease runs meanwhile). The attempt is left to end in its thread,
+        and what it opens is released then."""
+        opening = asyncio.ensure_future(self._connect(self.lane))
+        if self.outbox.held is not None:
+            return await opening
+        stop = asyncio.ensure_future(self.lifetime.stop_requested.wait())
+        await asyncio.wait((opening, stop), return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if opening.done():
+            return opening.result()
+        opening.add_done_callback(_release_unused)
+        return None
 
     async def _take_slot(self, session: SlotSession) -> bool:
         """Take a free slot, or wait as a standby until one frees (or the lane gets more slots: its news,
@@ -302,6 +321,12 @@ class SlotLoop:
         assert row is not None
         self.outbox.stored(bool(row["completed"]))
         return claimed
+
+
+def _release_unused(opening: asyncio.Future[SlotSession]) -> None:
+    """A session opened after its slot loop stopped waiting for it: released at once (it holds no slot)."""
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().release()
 
 
 def _log_retry(state: RetryCallState) -> None:

@@ -383,13 +383,15 @@ class Worker:
 
     # ----- what every slot loop gets from the process -----------------------------------------
 
-    def _connect(self, lane: ServedLane) -> SlotSession:
+    async def _connect(self, lane: ServedLane) -> SlotSession:
         """A session for a slot of ``lane``: a place on one of the process's shared sessions, or (a process
-        with no more slots than --sessions) a dedicated lock connection of its own."""
+        with no more slots than --sessions) a dedicated lock connection of its own, opened in a thread
+        (the other slots run on meanwhile, whatever the network does)."""
         s = lane.settings
         if self._shared is not None:
-            return self._shared.place(s.id, s.slots)
-        return LockSession.connect(self.dsn, s.id, s.slots, f"{s.name} {self.name}", self.options.liveness)
+            return await self._shared.place(s.id, s.slots)
+        return await asyncio.to_thread(LockSession.connect, self.dsn, s.id, s.slots, f"{s.name} {self.name}",
+                                       self.options.liveness)
 
     def _claim(self, slot: SlotLoop, session: SlotSession) -> Claim | None:
         """Every claim_or_wait of every slot goes through here, on the slot's session (a subclass may

@@ -153,16 +153,23 @@ def test_a_silent_or_one_way_partition_during_a_call_is_noticed_within_the_liven
         assert ledger.calls() == [job]
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["dedicated", "shared"])
 def test_a_cut_off_call_ends_before_its_lease_ends_on_the_server(
-    dsn: str, conn: Any, workers: Workers, ledger: Ledger
+    dsn: str, conn: Any, workers: Workers, ledger: Ledger, shared: bool
 ) -> None:
     # Self-fencing: a handler that ignores cancellation, on a worker whose network goes silent. The
     # call's hard timeout counts from the claim's sending, so the process (and with it the call) ends
     # before the lease the server started at the claim: by then nobody may have taken the job's slot.
     pglane.create_lane(conn, "fenced", job_timeout=JOB_TIMEOUT, lease_timeout=LEASE, takeover="after_lease")
     with NetProxy.for_dsn(dsn) as proxy:
-        proc = workers.start("fenced", "tests.handlers:ignores_cancellation", "--timeout", str(HARD_TIMEOUT),
-                             "--liveness", str(LIVENESS), env={"PGLANE_DSN": proxy.dsn_through(dsn)})
+        args = ("--timeout", str(HARD_TIMEOUT), "--liveness", str(LIVENESS))
+        env = {"PGLANE_DSN": proxy.dsn_through(dsn)}
+        if shared:  # two lanes on one shared session
+            pglane.create_lane(conn, "beside", job_timeout=JOB_TIMEOUT, lease_timeout=LEASE)
+            proc = workers.start_lanes(["fenced", "beside"], "--handler", "tests.handlers:ignores_cancellation",
+                                       "--sessions", "1", *args, env=env)
+        else:
+            proc = workers.start("fenced", "tests.handlers:ignores_cancellation", *args, env=env)
         job = pglane.enqueue(conn, "fenced", {"sleep": 30})
         wait_until(lambda: started(ledger, job), 30, "the call to start")
         with fault(proxy, "silent"):
@@ -171,4 +178,4 @@ def test_a_cut_off_call_ends_before_its_lease_ends_on_the_server(
     assert proc.returncode == 75
     lease = conn.execute("SELECT a.lease_expires_at FROM pglane.attempts a WHERE a.job_id = %s",
                          (job,)).fetchone()["lease_expires_at"]
-    assert ended < lease, f"the call outlived its lease ({ended} >= {lease})"
+    assert ended < lease, f"the call outlived its lease ({ended} >= {lease})" + Workers.log(proc)
