@@ -106,12 +106,16 @@ class ServedLane:
         log.info("lane %s settings now: %s slot(s), job timeout %gs, hard timeout %gs, lease %gs",
                  new.name, new.slots, new.job_timeout, hard, new.lease_timeout)
 
-    def recover(self, session: SlotSession) -> None:
-        row = session.execute(queries.RECOVER, (self._recovers,))
+    def recover(self, session: SlotSession, *, taking: bool = False) -> None:
+        """Recover (when due: every lane, on shared sessions), or, ``taking`` a slot, this lane alone: a
+        takeover recovers what the slot's last holder left at once, whatever the process's timer says."""
+        lane = self.name if taking else self._recovers
+        row = session.execute(queries.RECOVER, (lane,))
         if row and row["recover"]:
             log.warning("recovered %s attempt(s) of %s whose worker was gone (marked lost)", row["recover"],
-                        f"lane {self.name}" if self._recovers else "the lanes")
-        self.recovery.done()
+                        f"lane {lane}" if lane else "the lanes")
+        if lane == self._recovers:
+            self.recovery.done()
 
     def retire(self) -> None:
         """The lane is gone (a read of the lane list said so): its slot loops end, each after its call."""

@@ -166,7 +166,7 @@ class SlotLoop:
             held = True
             if lane.metrics is not None:
                 lane.metrics.slot_held.inc()
-            lane.recover(session)
+            lane.recover(session, taking=True)
             await self._drain(session)
         except Hung as hung:
             self.lifetime.recycle(str(hung), session)  # the session, and the slot, are held until the exit
