@@ -10,12 +10,15 @@ held (pglane.slot_holders, with a deadline):
 
 - ``connections``: the server sessions of each process (pg_stat_activity rows whose application_name
   contains its ``--name``), and how long the many-lane process took to hold every slot.
-- ``idle``: with every lane idle (after the processes' sessions have been idle for a second, or 15 s
-  at most), a window of W seconds (default 20; quick 5): CPU seconds per second of wall time of each
-  worker process (utime + stime from /proc/PID/stat), of the many-lane process's backends, and of the
-  whole server (the postmaster and all its children: the postmaster is the parent of this bench's own
-  backend, so only a server on this machine is measured), and the database's transactions per
-  second (pg_stat_database). A worker without per-lane polling stays near zero whatever N.
+- ``idle``: with every lane idle (once the processes' sessions have been idle for 11 s, 60 s at most:
+  a backend's statistics reach pg_stat_database up to 10 s after it goes idle, so the start-up's
+  transactions are counted before the window), a window of W seconds (default 60; quick 30: whole
+  periods of the workers' 30 s poll and recovery intervals, whose work comes in bursts): CPU seconds
+  per second of wall time of each worker process (utime + stime from /proc/PID/stat), of the many-lane
+  process's backends, and of the whole server (the postmaster and all its children: the postmaster is
+  the parent of this bench's own backend, so only a server on this machine is measured), and the
+  database's transactions per second (pg_stat_database). A worker without per-lane polling stays near
+  zero whatever N.
 - ``wake``: S rounds (default 50; quick 15), each one job into a random lane of the N and one into
   ``lnb_one``, in an order alternated each round; each job is a plain autocommitted INSERT, the
   clock starts when its commit returns and stops at the handler's stamp (the same machine's clock,
@@ -86,6 +89,7 @@ WAKE_BOUND = 1.5  # wake p50 many/one, at most
 THROUGHPUT_BOUND = 0.8  # one process / one process per lane, jobs/s, at least
 WARMUP = 3
 GAP_S = (0.025, 0.035)
+STATS_LAG = 11  # seconds: an idle backend's statistics reach pg_stat_database within 10 s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,12 +215,13 @@ def idle(conn: psycopg.Connection[Any], workers: dict[str, subprocess.Popen[byte
     def quiet() -> bool:
         row = conn.execute("SELECT count(*) AS n FROM pg_stat_activity WHERE (strpos(application_name, %s) > 0"
                            " OR strpos(application_name, %s) > 0) AND (state <> 'idle'"
-                           " OR state_change > clock_timestamp() - interval '1 second')", (MANY, ONE)).fetchone()
+                           " OR state_change > clock_timestamp() - make_interval(secs => %s))",
+                           (MANY, ONE, STATS_LAG)).fetchone()
         return row is not None and int(row["n"]) == 0
 
     settled = True
     try:
-        wait_until(quiet, 15, "the workers' sessions idle for a second", interval=0.2)
+        wait_until(quiet, 60, f"the workers' sessions idle for {STATS_LAG} s", interval=0.5)
     except BenchTimeout:
         settled = False
     groups = {name: [p.pid] for name, p in workers.items()}
@@ -472,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
                         " (default 4)")
     parser.add_argument("--jobs", type=int, help="jobs per busy lane per drain (default 300; quick 100)")
     parser.add_argument("--samples", type=int, help="wake rounds (default 50; quick 15)")
-    parser.add_argument("--window", type=float, help="idle CPU window in seconds (default 20; quick 5)")
+    parser.add_argument("--window", type=float, help="idle CPU window in seconds (default 60; quick 30)")
     parser.add_argument("--rounds", type=int, help="throughput rounds (default 3; quick 2)")
     parser.add_argument("--poll-interval", type=float, default=30.0, help="the workers' --poll-interval (30)")
     parser.add_argument("--recover-interval", type=float,
@@ -486,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     q = args.quick
     s = Settings(lanes=args.lanes or (200 if q else 1000), busy=args.busy or (20 if q else 100),
                  sessions=args.sessions, sessions_passed=has_sessions_option(), jobs=args.jobs or (100 if q else 300),
-                 samples=args.samples or (15 if q else 50), window=args.window or (5.0 if q else 20.0),
+                 samples=args.samples or (15 if q else 50), window=args.window or (30.0 if q else 60.0),
                  rounds=args.rounds or (2 if q else 3), poll_interval=args.poll_interval,
                  recover_interval=args.recover_interval)
     parts = [p for p in PARTS if p in (args.only or PARTS)]
