@@ -14,7 +14,7 @@ from typing import Any
 
 import psycopg
 
-from . import cli_lanes, client, durations, lockwait, privileges, queries, replication, schema, timing
+from . import cli_lanes, client, durations, lockwait, logs, privileges, queries, replication, schema, timing
 from .cli_format import json_stream, pipe_closed, table, to_json
 from .errors import (
     ConfigurationError,
@@ -328,6 +328,9 @@ def _work_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
                    help="a lock session silent this long is taken for lost")
     w.add_argument("--metrics-port", type=int,
                    help="serve Prometheus metrics on 127.0.0.1:PORT (0: a free port, logged at start)")
+    w.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="text: readable lines (default); json: one JSON object per line, with the lane, job, "
+                   "attempt and trace id of the slot that logged it")
     loud = w.add_mutually_exclusive_group()
     loud.add_argument("--quiet", "-q", action="store_true", help="log warnings and errors only")
     loud.add_argument("--verbose", "-v", action="store_true", help="log debugging detail too")
@@ -539,8 +542,7 @@ def _worker(dsn: str, args: argparse.Namespace) -> int:
     default, specs = _handler_specs(args.handler)
     # every lane has a handler, every handler a lane: before anything is imported
     plan(lanes, default, specs, args.lanes_like, args.slots_each)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s")
+    logs.configure(logging.INFO if args.verbose else logging.WARNING, args.log_format)
     pglane_level = logging.WARNING if args.quiet else logging.DEBUG if args.verbose else logging.INFO
     logging.getLogger("pglane").setLevel(pglane_level)  # libraries log warnings only, unless --verbose
     options = WorkerOptions(poll_interval=args.poll_interval, max_jobs=args.max_jobs,

@@ -11,6 +11,7 @@ async one runs on the event loop and is cancelled at the job timeout. No databas
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import importlib
 import inspect
 import json
@@ -87,6 +88,15 @@ class Outcome:
         if self.error is not None:
             object.__setattr__(self, "error", bounded_error(self.error.replace("\x00", "\\x00")))
 
+    @property
+    def name(self) -> str:
+        """What the attempt becomes: done, failed, timed_out or deferred."""
+        if self.retry_after is not None:
+            return "deferred"
+        if self.error is None:
+            return "done"
+        return "timed_out" if self.timed_out else "failed"
+
 
 def _describe(exc: BaseException) -> str:
     lines = traceback.format_exception(exc)
@@ -122,7 +132,9 @@ class Runner:
         if self.is_async:
             return _start_eagerly(self.handler(job))
         assert self._thread is not None
-        return asyncio.wrap_future(self._thread.submit(self.handler, job)), _nothing
+        # In a copy of the slot's context: the handler's own spans are children of the call's, and its log
+        # lines name the job (pglane.tracing, pglane.logs).
+        return asyncio.wrap_future(self._thread.submit(contextvars.copy_context().run, self.handler, job)), _nothing
 
     def shutdown(self) -> None:
         if self._thread is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 JOB_STATUSES = ("queued", "running", "done", "failed", "cancelled")
@@ -51,6 +52,8 @@ class Claim:
     sent_at: float  # time.monotonic() when the claiming statement was sent: the call's deadlines count from it
     undecodable: str | None = None
     job_timeout: float | None = None  # the call's timeout the claim named (the job's own, at most the lane's)
+    traceparent: str | None = None  # the producer's trace context (pglane.tracing), if it sent one
+    queued_at: datetime | None = None  # when the job was enqueued (the database's clock)
 
     @classmethod
     def from_row(cls, row: dict[str, Any] | None, sent_at: float) -> Claim | None:
@@ -66,4 +69,5 @@ class Claim:
             payload, undecodable = None, f"{type(exc).__name__}: {str(exc)[:200]}"
         job = Job(id=row["job_id"], lane=row["lane"], payload=payload, attempt_id=row["attempt_id"],
                   attempt_number=row["attempt_number"], seq=row["seq"], idempotency_key=row["idempotency_key"])
-        return cls(job, row["token"], sent_at, undecodable, row.get("job_timeout"))
+        return cls(job, row["token"], sent_at, undecodable, row.get("job_timeout"), row.get("traceparent"),
+                   row.get("queued_at"))

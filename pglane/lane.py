@@ -17,11 +17,12 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
 
-from . import queries, timing
+from . import queries, timing, tracing
 from .call import Caller, Watchdog
 from .errors import UnknownLane
 from .handler import Handler, Runner
@@ -114,6 +115,9 @@ class ServedLane:
         if row and row["recover"]:
             log.warning("recovered %s attempt(s) of %s whose worker was gone (marked lost)", row["recover"],
                         f"lane {lane}" if lane else "the lanes")
+            if tracing.ENABLED:  # their workers died with their spans: this one writes what became of them
+                found = session.execute(queries.LOST_AT, (row["at"],))
+                tracing.lost(json.loads(found["lost"]) if found else [])
         if lane == self._recovers:
             self.recovery.done()
 

@@ -37,6 +37,7 @@ class LaneMetrics:
         self.deferred = families["deferred"].labels(lane)
         self.duration = families["duration"].labels(lane)
         self.claim_latency = families["claim_latency"].labels(lane)
+        self.wait = families["wait"].labels(lane)
 
 
 class Metrics:
@@ -76,6 +77,10 @@ class Metrics:
             "claim_latency": prom.Histogram(
                 "pglane_claim_latency_seconds", "round trip of a claim (alone or fused with a completion)", labels,
                 registry=self.registry, buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5)),
+            "wait": prom.Histogram(
+                "pglane_job_wait_seconds", "from a job's enqueue to its claim (its wait in the lane: the queue, a "
+                "pause, the rate limit, a strict lane's lease)", labels, registry=self.registry,
+                buckets=(0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 1800, 3600)),
         }
         self.server, self.thread = prom.start_http_server(port, addr=addr, registry=self.registry)
         log.info("metrics on http://%s:%s/metrics", addr, self.server.server_port)  # port 0: the one chosen

@@ -5,7 +5,7 @@ No statement is built from user input: lane names, payloads and keys are always 
 
 from typing import LiteralString
 
-ENQUEUE: LiteralString = "SELECT pglane.enqueue(%s, %s::jsonb, %s, %s, %s, %s, %s, %s, make_interval(secs => %s))"
+ENQUEUE: LiteralString = "SELECT pglane.enqueue(%s, %s::jsonb, %s, %s, %s, %s, %s, %s, make_interval(secs => %s), %s)"
 CLAIM: LiteralString = "SELECT * FROM pglane.claim(%s, %s)"
 CLAIM_OR_WAIT: LiteralString = "SELECT * FROM pglane.claim_or_wait(%s, %s)"  # the worker's: always a row
 # An outcome carries the attempt's token (claim() returned it): any session holding it may write.
@@ -13,7 +13,14 @@ COMPLETE: LiteralString = "SELECT pglane.complete(%s, %s::jsonb, %s)"
 COMPLETE_AND_CLAIM: LiteralString = "SELECT * FROM pglane.complete_and_claim(%s, %s::jsonb, %s, %s, %s)"
 FAIL: LiteralString = "SELECT pglane.fail(%s, %s, %s, %s)"
 DEFER: LiteralString = "SELECT pglane.defer(%s, make_interval(secs => %s), %s, %s)"
-RECOVER: LiteralString = "SELECT pglane.recover(%s)"
+RECOVER: LiteralString = "SELECT pglane.recover(%s), now() AS at"  # at: the finished_at of what it marked lost
+# The attempts a recovery (RECOVER, answering %s as its `at`) has just marked lost, for their spans (pglane.tracing).
+LOST_AT: LiteralString = (
+    "SELECT coalesce(jsonb_agg(jsonb_build_object('attempt_id', a.id, 'job_id', a.job_id, 'attempt_number',"
+    " a.attempt_number, 'seq', a.seq, 'started', extract(epoch FROM a.started_at), 'finished',"
+    " extract(epoch FROM a.finished_at), 'error', a.error, 'lane', j.lane, 'group_key', j.group_key,"
+    " 'traceparent', j.traceparent)), '[]') AS lost"
+    " FROM pglane.attempts a JOIN pglane.jobs j ON j.id = a.job_id WHERE a.status = 'lost' AND a.finished_at = %s")
 RELEASE_LEASE: LiteralString = "SELECT pglane.release_lease(%s)"
 RETRY: LiteralString = "SELECT pglane.retry(%s)"
 CANCEL: LiteralString = "SELECT pglane.cancel(%s)"

@@ -67,7 +67,7 @@ from typing import Any, LiteralString
 import psycopg
 from tenacity import AsyncRetrying, RetryCallState, RetryError, retry_if_exception_type, wait_exponential
 
-from . import queries
+from . import logs, queries, tracing
 from .call import Hung
 from .errors import DatabaseUnavailable, NoSlotHeld, SlotLost, UnknownLane, first_line, translate
 from .handler import Outcome
@@ -109,6 +109,7 @@ class SlotLoop:
     async def run(self) -> None:
         """Sessions one after another until there is nothing left to do (module doc: connecting). Asked
         to stop, one more session is tried (to deliver an outcome still held); if it fails too, give up."""
+        logs.LANE.set(self.lane.name)  # this task's log lines name the lane (pglane.logs)
         last_try = False
 
         def give_up(_: RetryCallState) -> bool:
@@ -218,10 +219,27 @@ class SlotLoop:
             if session.news:  # pglane lane set changed the lane: its settings apply from here
                 self.lane.reload(session)
             if claim is not None:
-                outcome = await self._call(session, claim)
+                job = claim.job
+                logs.JOB.set((job.id, job.attempt_id, tracing.trace_id(claim.traceparent)))
+                spans = tracing.Attempt(job.lane, job.id, job.attempt_id, job.attempt_number, job.seq,
+                                        claim.traceparent, claim.queued_at) if tracing.ENABLED else None
+                try:
+                    outcome = await self._call(session, claim)
+                except Hung:
+                    if spans is not None:
+                        spans.called("timed_out", "the handler outlived the hard timeout")
+                        spans.settled(True)
+                    raise
+                if spans is not None:
+                    spans.called(outcome.name, outcome.error, outcome.retry_after)
                 self.jobs_run += 1
                 self.lifetime.jobs_run += 1
-                claim = self._store_and_claim(session, claim, outcome)
+                try:
+                    claim = self._store_and_claim(session, claim, outcome)
+                finally:
+                    if spans is not None:
+                        spans.settled(self.outbox.held is None)
+                    logs.JOB.set(None)
                 if time.monotonic() >= turn:  # SIGTERM's handler runs on a turn of the loop: give it one
                     await asyncio.sleep(0)
                     turn = time.monotonic() + LOOP_TURN
@@ -295,6 +313,8 @@ class SlotLoop:
         claim = Claim.from_row(row, sent)
         if claim is not None:
             self.lifetime.claimed += 1
+            if self.lane.metrics is not None and claim.queued_at is not None:
+                self.lane.metrics.wait.observe(max(0.0, time.time() - claim.queued_at.timestamp()))
         self._pacing = Pacing.from_row(row, claim is not None, now)
         return claim, row
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, LiteralString, TypeVar
 
-from . import queries, timing
+from . import queries, timing, tracing
 from .errors import (
     ConfigurationError,
     InvalidInput,
@@ -139,8 +139,12 @@ def enqueue(lane: str, payload: Any, *, key: str | None, run_after: datetime | N
                                     or not math.isfinite(job_timeout) or job_timeout <= 0):
         raise InvalidInput(f"job_timeout={job_timeout!r}: a job's own timeout is a number of seconds above zero, "
                            "at most its lane's job_timeout; nothing was enqueued")
-    row = yield Query(queries.ENQUEUE, (lane, text, key, run_after, if_full, cost, group, priority, job_timeout))
-    return None if row["enqueue"] is None else int(row["enqueue"])
+    with tracing.sending(lane) as send:  # the producer's span; its context is the job's traceparent
+        row = yield Query(queries.ENQUEUE, (lane, text, key, run_after, if_full, cost, group, priority, job_timeout,
+                                            send.traceparent))
+        job = None if row["enqueue"] is None else int(row["enqueue"])
+        send.sent(job)
+    return job
 
 
 def lane_status() -> Plan[list[Row]]:

@@ -7,7 +7,8 @@
 -- lane's window ('rate') or a pause's end ('paused', pause.sql; wait_seconds NULL: until resumed) lets
 -- this slot start a job. job_timeout: the job's own call timeout in seconds, never above the lane's
 -- (NULL: the job has none, the lane's applies). A rate-limited lane's claim that took a job sets
--- them too when this slot's next start must wait.
+-- them too when this slot's next start must wait. traceparent and queued_at: the producer's trace
+-- context and when the job was enqueued, for the worker's spans (the wait in the lane, the call).
 -- (A type, so alembic owns it: see revision 0007.)
 
 -- claim_impl: the body of claim(), claim_or_wait() and complete_and_claim(), so that the worker's
@@ -95,8 +96,9 @@ BEGIN
        SET status = 'running', started_at = p_at, attempts = j.attempts + 1, seq = r.seq
      WHERE j.id = p_job.id
     RETURNING j.id, j.attempts, j.payload, j.idempotency_key,
-              CASE WHEN j.job_timeout IS NOT NULL THEN date_part('epoch', least(j.job_timeout, p_lane.job_timeout)) END
-         INTO r.job_id, r.attempt_number, r.payload, r.idempotency_key, r.job_timeout;
+              CASE WHEN j.job_timeout IS NOT NULL THEN date_part('epoch', least(j.job_timeout, p_lane.job_timeout)) END,
+              j.traceparent, j.created_at
+         INTO r.job_id, r.attempt_number, r.payload, r.idempotency_key, r.job_timeout, r.traceparent, r.queued_at;
     r.lease_expires_at := p_at + p_lane.lease_timeout;
     v_mark := pglane.session_mark();  -- the claiming session's identity (sessions.sql)
     INSERT INTO pglane.attempts AS a

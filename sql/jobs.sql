@@ -68,6 +68,16 @@ BEGIN
     END IF;
 END $$;
 
+-- is_traceparent: whether p_value is a W3C trace context header of version 00: 00-<trace id: 32 lower-case
+-- hex, not all zero>-<parent span id: 16, not all zero>-<flags: 2>. The insert trigger refuses any other.
+CREATE OR REPLACE FUNCTION pglane.is_traceparent(p_value text) RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT p_value ~ '^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$'
+       AND substr(p_value, 4, 32) <> repeat('0', 32) AND substr(p_value, 37, 16) <> repeat('0', 16);
+$$;
+
 -- jobs_before_insert: validate one new job. Runs before the unique check, so a refused row is never
 -- written, and a duplicate key with a bad payload is still refused for its payload.
 CREATE OR REPLACE FUNCTION pglane.jobs_before_insert() RETURNS trigger
@@ -97,8 +107,16 @@ BEGIN
        OR NEW.deferrals_in_row IS DISTINCT FROM 0 THEN
         RAISE EXCEPTION USING ERRCODE = 'PGL10',
             MESSAGE = 'a new job must be inserted queued',
-            HINT = 'insert only lane, payload, idempotency_key, run_after, cost, group_key, priority and '
-                   'job_timeout; pglane sets the rest';
+            HINT = 'insert only lane, payload, idempotency_key, run_after, cost, group_key, priority, '
+                   'job_timeout and traceparent; pglane sets the rest';
+    END IF;
+    -- The producer's trace context (W3C traceparent, version 00), for the worker's spans; set here only.
+    IF NEW.traceparent IS NOT NULL AND NOT pglane.is_traceparent(NEW.traceparent) THEN
+        RAISE EXCEPTION USING ERRCODE = 'PGL10',
+            MESSAGE = format('traceparent %L is not a W3C trace context (00-<32 hex trace id>-<16 hex span id>-'
+                             '<2 hex flags>, lower case, ids not all zero)', left(NEW.traceparent, 80)),
+            HINT = 'send the traceparent your tracer propagates (OpenTelemetry: TraceContextTextMapPropagator), '
+                   'or none';
     END IF;
     -- A job's own call timeout: at most its lane's, which sizes the lease and the worker's timeouts.
     IF NEW.job_timeout <= interval '0' OR NEW.job_timeout > v_timeout THEN
@@ -151,7 +169,7 @@ CREATE TRIGGER jobs_before_insert BEFORE INSERT ON pglane.jobs
 -- enqueue: add a job and return its id (p_if_full 'skip': NULL when the bounded lane is full, nothing
 -- written, no error; p_cost: what its start counts against the lane's rate; p_group: the tenant it
 -- belongs to, p_priority: higher first, groups.sql; p_job_timeout: its call's own timeout, at most
--- the lane's). The same key again returns the existing job's id, whatever
+-- the lane's; p_traceparent: the producer's W3C trace context, which the worker's spans continue). The same key again returns the existing job's id, whatever
 -- its status, and writes nothing; the same key with another payload is an error. A concurrent twin
 -- waits on the unique index for the first insert to commit, then finds it. A key another login
 -- enqueued is refused alike whatever the payload (PGL05), so that the answer reveals nothing of that
@@ -166,7 +184,8 @@ CREATE OR REPLACE FUNCTION pglane.enqueue(
     p_cost integer DEFAULT 1,
     p_group text DEFAULT NULL,
     p_priority integer DEFAULT 0,
-    p_job_timeout interval DEFAULT NULL
+    p_job_timeout interval DEFAULT NULL,
+    p_traceparent text DEFAULT NULL
 ) RETURNS bigint
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
@@ -190,8 +209,10 @@ BEGIN
             RETURN NULL;
         END IF;
     END IF;
-    INSERT INTO pglane.jobs AS j (lane, payload, idempotency_key, run_after, cost, group_key, priority, job_timeout)
-    VALUES (p_lane, p_payload, p_idempotency_key, p_run_after, p_cost, p_group, p_priority, p_job_timeout)
+    INSERT INTO pglane.jobs AS j (lane, payload, idempotency_key, run_after, cost, group_key, priority, job_timeout,
+                                  traceparent)
+    VALUES (p_lane, p_payload, p_idempotency_key, p_run_after, p_cost, p_group, p_priority, p_job_timeout,
+            p_traceparent)
     ON CONFLICT (lane, idempotency_key) DO NOTHING
     RETURNING j.id INTO v_id;
     IF v_id IS NOT NULL THEN

@@ -44,9 +44,9 @@ GRANT EXECUTE ON FUNCTION
 -- pglane_producer: enqueue (the function, or a plain INSERT of the input columns), wait for a job
 -- (await_job, above) and read the status of its own jobs: job_status shows a producer only the jobs
 -- it enqueued, and the policies below only its own rows of jobs.
-GRANT EXECUTE ON FUNCTION pglane.enqueue(text, jsonb, text, timestamptz, text, integer, text, integer, interval)
+GRANT EXECUTE ON FUNCTION pglane.enqueue(text, jsonb, text, timestamptz, text, integer, text, integer, interval, text)
     TO pglane_producer;
-GRANT INSERT (lane, payload, idempotency_key, run_after, cost, group_key, priority, job_timeout)
+GRANT INSERT (lane, payload, idempotency_key, run_after, cost, group_key, priority, job_timeout, traceparent)
     ON pglane.jobs TO pglane_producer;
 -- INSERT ... ON CONFLICT (lane, idempotency_key) DO NOTHING reads the conflict target's columns.
 GRANT SELECT (lane, idempotency_key) ON pglane.jobs TO pglane_producer;

@@ -1,0 +1,169 @@
+"""Traces: OpenTelemetry spans from the producer's enqueue, through the wait in the lane, to the handler's
+call and its completion (the optional extra ``pglane[otel]``; docs/operations.md, "Traces and logs").
+
+Without ``opentelemetry-api`` installed nothing here does more than test ``ENABLED``; with it and no SDK
+configured the spans are the API's no-op ones. What a trace holds, one per job attempt:
+
+    send LANE      PRODUCER  the enqueue (pglane.enqueue and its aio twin): its context is the job's
+                             ``traceparent``, which a plain INSERT from any language may also set
+    wait LANE      INTERNAL  queued_at -> the claim (the lane's queue, its admission: pause, rate, lease)
+    process LANE   CONSUMER  the handler's call, current while it runs (a handler's own spans are its
+                             children); ``pglane.outcome`` done, failed, timed_out or deferred
+    settle LANE    INTERNAL  the outcome's write (on the fast path fused with the next claim)
+    lost LANE      INTERNAL  written by the worker whose recovery marked the attempt lost (the worker
+                             that made the call died with its spans), from its start to the recovery
+
+The four of an attempt are children of the producer's ``send`` span (a job with no traceparent starts a
+trace of its own). Attributes follow OpenTelemetry's messaging conventions where they name the thing
+(``messaging.system``, ``messaging.destination.name``, ``messaging.message.id``,
+``messaging.operation.type``), and ``pglane.*`` for the rest (attempt id and number, seq, group,
+outcome). The trace id is also what the worker's JSON logs carry (pglane.logs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+try:
+    from opentelemetry import context as otel_context
+    from opentelemetry import trace
+    from opentelemetry.trace import SpanKind, Status, StatusCode
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+except ImportError:  # the extra is not installed: no spans, and no cost
+    ENABLED = False
+else:
+    ENABLED = True
+    _PROPAGATOR = TraceContextTextMapPropagator()
+
+SYSTEM = "pglane"
+
+
+def trace_id(traceparent: str | None) -> str | None:
+    """The trace id a W3C traceparent names (32 hex), whether or not OpenTelemetry is installed."""
+    return traceparent[3:35] if traceparent else None
+
+
+def _tracer() -> Any:
+    return trace.get_tracer("pglane")
+
+
+def _attributes(lane: str, operation: str, **more: Any) -> dict[str, Any]:
+    found = {"messaging.system": SYSTEM, "messaging.destination.name": lane, "messaging.operation.type": operation}
+    found.update({k: v for k, v in more.items() if v is not None})
+    return found
+
+
+@dataclass
+class Sending:
+    """The producer's span of one enqueue, and the traceparent the job records (None: no trace)."""
+
+    span: Any
+    traceparent: str | None
+
+    def sent(self, job_id: int | None) -> None:
+        if self.span is not None:
+            if job_id is None:
+                self.span.set_attribute("pglane.skipped", True)  # if_full="skip" on a full lane
+            else:
+                self.span.set_attribute("messaging.message.id", str(job_id))
+
+
+UNTRACED = Sending(None, None)
+
+
+@contextlib.contextmanager
+def sending(lane: str) -> Iterator[Sending]:
+    """The ``send LANE`` span around an enqueue (a child of the caller's current span), ended when the
+    enqueue returns or raises (the error recorded); its context is the traceparent to store."""
+    if not ENABLED:
+        yield UNTRACED
+        return
+    span = _tracer().start_span(f"send {lane}", kind=SpanKind.PRODUCER,
+                                attributes=_attributes(lane, "send", **{"messaging.operation.name": "enqueue"}))
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+    try:
+        yield Sending(span, carrier.get("traceparent"))
+    except Exception as exc:
+        span.record_exception(exc)
+        span.set_status(Status(StatusCode.ERROR, str(exc)[:200]))
+        raise
+    finally:
+        span.end()
+
+
+def _parent(traceparent: str | None) -> Any:
+    """The producer's context a job's traceparent names (a fresh root without one)."""
+    if not traceparent:
+        return otel_context.Context()
+    return _PROPAGATOR.extract({"traceparent": traceparent}, context=otel_context.Context())
+
+
+def _ns(moment: datetime) -> int:
+    return int(moment.timestamp() * 1e9)
+
+
+class Attempt:
+    """The spans of one attempt in the worker that claimed it: ``wait`` (ended at once), ``process``
+    (current in the slot's task while the handler runs), ``settle``. Made only when ENABLED."""
+
+    def __init__(self, lane: str, job_id: int, attempt_id: int, attempt_number: int, seq: int,
+                 traceparent: str | None, queued_at: datetime | None, group: str | None = None) -> None:
+        self.lane = lane
+        parent = _parent(traceparent)
+        now = time.time_ns()
+        ids = {"messaging.message.id": str(job_id), "pglane.attempt.id": attempt_id,
+               "pglane.attempt.number": attempt_number, "pglane.seq": seq, "pglane.group": group}
+        tracer = _tracer()
+        if queued_at is not None:
+            tracer.start_span(f"wait {lane}", context=parent, start_time=min(_ns(queued_at), now),
+                              attributes=_attributes(lane, "receive", **ids)).end(end_time=now)
+        self.span = tracer.start_span(f"process {lane}", context=parent, kind=SpanKind.CONSUMER, start_time=now,
+                                      attributes=_attributes(lane, "process", **ids))
+        self._token: Any = otel_context.attach(trace.set_span_in_context(self.span))
+        self._settle: Any = None
+
+    def called(self, outcome: str, error: str | None = None, retry_after: float | None = None) -> None:
+        """The handler's call ended with ``outcome`` (done, failed, timed_out, deferred); the write begins."""
+        self._detach()
+        self.span.set_attribute("pglane.outcome", outcome)
+        if retry_after is not None:
+            self.span.set_attribute("pglane.retry_after", retry_after)
+        if error is not None and outcome != "deferred":
+            self.span.set_status(Status(StatusCode.ERROR, error.partition("\n")[0][:200]))
+        self._settle = _tracer().start_span(f"settle {self.lane}", context=trace.set_span_in_context(self.span),
+                                            attributes=_attributes(self.lane, "settle"))
+
+    def settled(self, stored: bool) -> None:
+        """The outcome's write returned (``stored``: the database took it; False: it is held for the next
+        session, or was refused)."""
+        self._detach()
+        if self._settle is not None:
+            self._settle.set_attribute("pglane.stored", stored)
+            self._settle.end()
+        self.span.end()
+
+    def _detach(self) -> None:
+        if self._token is not None:
+            otel_context.detach(self._token)
+            self._token = None
+
+
+def lost(rows: list[dict[str, Any]]) -> None:
+    """A ``lost LANE`` span for each attempt this worker's recovery just marked lost (queries.LOST_AT's
+    objects; times in epoch seconds), in its job's trace, from the attempt's start to its recovery."""
+    tracer = _tracer()
+    for row in rows:
+        ids = {"messaging.message.id": str(row["job_id"]), "pglane.attempt.id": row["attempt_id"],
+               "pglane.attempt.number": row["attempt_number"], "pglane.seq": row["seq"],
+               "pglane.group": row["group_key"], "pglane.outcome": "lost"}
+        span = tracer.start_span(f"lost {row['lane']}", context=_parent(row["traceparent"]),
+                                 start_time=int(row["started"] * 1e9),
+                                 attributes=_attributes(row["lane"], "process", **ids))
+        span.set_status(Status(StatusCode.ERROR, (row["error"] or "lost")[:200]))
+        span.end(end_time=int(row["finished"] * 1e9))
