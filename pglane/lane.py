@@ -28,7 +28,7 @@ from .errors import UnknownLane
 from .handler import Handler, Runner
 from .lifetime import Recovery, Waits
 from .metrics import LaneMetrics
-from .session import SlotSession
+from .session import Session, SlotSession
 
 log = logging.getLogger("pglane.worker")
 
@@ -63,6 +63,18 @@ def violations(lane: Lane, timeout: float | None) -> list[str]:
     """The timing rules the lane's settings break with the worker's hard timeout (pglane.timing)."""
     return timing.Timeouts(job=lane.job_timeout, lease=lane.lease_timeout,
                            worker=hard_timeout(lane, timeout)).violations()
+
+
+def recover(session: Session | SlotSession, lane: str | None) -> None:
+    """Mark lost the running attempts of ``lane`` (None: of every lane) whose worker is provably gone; log
+    how many, and (tracing on) write their ``lost`` spans: their workers died with their own."""
+    row = session.execute(queries.RECOVER, (lane,))
+    if row and row["recover"]:
+        log.warning("recovered %s attempt(s) of %s whose worker was gone (marked lost)", row["recover"],
+                    f"lane {lane}" if lane else "the lanes")
+        if tracing.ENABLED:
+            found = session.execute(queries.LOST_AT, (row["at"],))
+            tracing.lost(json.loads(found["lost"]) if found else [])
 
 
 class ServedLane:
@@ -111,13 +123,7 @@ class ServedLane:
         """Recover (when due: every lane, on shared sessions), or, ``taking`` a slot, this lane alone: a
         takeover recovers what the slot's last holder left at once, whatever the process's timer says."""
         lane = self.name if taking else self._recovers
-        row = session.execute(queries.RECOVER, (lane,))
-        if row and row["recover"]:
-            log.warning("recovered %s attempt(s) of %s whose worker was gone (marked lost)", row["recover"],
-                        f"lane {lane}" if lane else "the lanes")
-            if tracing.ENABLED:  # their workers died with their spans: this one writes what became of them
-                found = session.execute(queries.LOST_AT, (row["at"],))
-                tracing.lost(json.loads(found["lost"]) if found else [])
+        recover(session, lane)
         if lane == self._recovers:
             self.recovery.done()
 

@@ -77,6 +77,15 @@ class Lifetime:
             self.hung = reason
         self.stop(reason)
 
+    def count_claim(self) -> None:
+        """A slot claimed a job; the one that reaches --max-jobs ends every idle slot's wait (a slot on a
+        shared session waits for no timer: it would wait until woken)."""
+        self.claimed += 1
+        if self._max_jobs is not None and self.claimed == self._max_jobs:
+            log.info("--max-jobs %s reached: finishing the calls in progress, then releasing the slots and exiting",
+                     self._max_jobs)
+            self.waits.interrupt_all()
+
     @property
     def stopping(self) -> bool:
         return self.stop_requested.is_set()

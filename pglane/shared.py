@@ -24,8 +24,9 @@ Invariants:
   every slot on it: each waiting slot is woken to find it so, each call in progress is told (``watch``),
   and each slot loop connects again, getting a place on a new session;
 - one poll per session, not per lane: every poll interval one statement asks which of the session's lanes
-  have a queued job due, and wakes their places; a slot loop on a shared session waits for nothing else
-  (a notification, that poll, its lane's recovery, its pacing);
+  have a queued job due, and wakes their places; then, when the process's recovery is due, the session
+  runs it (``after_poll``: one recovery of every lane per interval). A slot loop on a shared session waits
+  for nothing else (a notification, that poll, its pacing): no timer wakes a thousand idle slots at once;
 - a standby never occupies a session with a blocking wait: each session tries the slots its standbys want
   in one statement every STANDBY_POLL (at most one slot per lane per try), so a free slot is taken within
   that time, never at the instant its holder's session ends as a dedicated standby's is;
@@ -62,9 +63,10 @@ class SharedSession(Session):
     """One connection holding the slots of many lanes, and the places of the slot loops on it."""
 
     def __init__(self, conn: psycopg.Connection[dict[str, Any]], poll_interval: float,
-                 liveness: float = LIVENESS) -> None:
+                 liveness: float = LIVENESS, after_poll: Callable[[SharedSession], None] | None = None) -> None:
         super().__init__(conn, liveness)
         self.poll_interval = poll_interval
+        self._after_poll = after_poll  # run on this session after each poll (the process's recovery, when due)
         self.places: set[SharedSlot] = set()  # every slot loop's place on this session
         self.held: set[tuple[int, int]] = set()  # (lane id, slot) this session holds
         self._channels: dict[str, set[SharedSlot]] = {}  # channel -> the places listening on it
@@ -192,6 +194,11 @@ class SharedSession(Session):
             for lane_id in row["due"] if row else ():
                 for place in tuple(self._channels.get(f"pglane_{lane_id}", ())):
                     place.woken(news=False)
+            if self._after_poll is not None:
+                try:
+                    self._after_poll(self)
+                except psycopg.Error:
+                    continue  # gone (every place is told), or refused: tried again next interval
 
     # ----- liveness during calls -------------------------------------------------------------------
 
@@ -405,12 +412,14 @@ class SharedSlot:
 class Sessions:
     """A process's K shared sessions, opened as slot loops need them (``place``) and again once gone."""
 
-    def __init__(self, dsn: str, size: int, name: str, poll_interval: float, liveness: float = LIVENESS) -> None:
+    def __init__(self, dsn: str, size: int, name: str, poll_interval: float, liveness: float = LIVENESS,
+                 after_poll: Callable[[SharedSession], None] | None = None) -> None:
         self.dsn = dsn
         self.size = size
         self.name = name  # the worker's, in each session's application_name
         self.liveness = liveness
         self.poll_interval = poll_interval
+        self.after_poll = after_poll
         self._sessions: list[SharedSession | None] = [None] * size
         self._opening = [asyncio.Lock() for _ in range(size)]  # one opening of each session at a time
         self._coming: list[list[int]] = [[] for _ in range(size)]  # lane ids of the places being made on each
@@ -432,7 +441,8 @@ class Sessions:
                 session = self._sessions[i]
                 if session is None or session.lost.done():
                     conn = await asyncio.to_thread(open_connection, self.dsn, f"pglane {self.name} session {i + 1}")
-                    session = self._sessions[i] = SharedSession(conn, self.poll_interval, self.liveness)
+                    session = self._sessions[i] = SharedSession(conn, self.poll_interval, self.liveness,
+                                                                self.after_poll)
             return session.place(lane_id, slots)
         finally:
             self._coming[i].remove(lane_id)

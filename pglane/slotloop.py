@@ -86,6 +86,9 @@ READ_ONLY = "25006"  # read_only_sql_transaction: what a standby or a demoted pr
 # the event loop a turn, and a stop signal (or another slot) gets one only then: the drain yields at
 # least this often.
 LOOP_TURN = 0.05
+# An idle slot on a shared session waits for a wake-up, its session's poll, its pacing or a stop, with no
+# timer of its own (pglane.shared): this long at most, a backstop that costs 1,000 lanes a claim a second.
+IDLE_AT_MOST = 1000.0
 
 class SlotLoop:
     """One slot of one lane, held in turn by sessions; its own state is the last claim's pacing
@@ -275,9 +278,10 @@ class SlotLoop:
         """Wait for a NOTIFY, the poll interval, the lane's next recovery, the pacing's bound, the end of
         life, or a stop."""
         now = time.monotonic()
-        bounds = (None if session.session_polls else self.poll_interval, self.lane.recovery.due_in(now),
+        polled = session.session_polls  # the shared session polls and recovers for its slots (pglane.shared)
+        bounds = (None if polled else self.poll_interval, None if polled else self.lane.recovery.due_in(now),
                   self._pacing.wait_bound(now), self.lifetime.ends_in(now))
-        timeout = min(b for b in bounds if b is not None)
+        timeout = min((b for b in bounds if b is not None), default=IDLE_AT_MOST)
         if self.lifetime.stopping or self.lane.retired:
             return
         with self.lifetime.waits.interrupting(session), self.lane.waits.interrupting(session):
@@ -312,7 +316,7 @@ class SlotLoop:
             self.lane.metrics.claim_latency.observe(now - sent)
         claim = Claim.from_row(row, sent)
         if claim is not None:
-            self.lifetime.claimed += 1
+            self.lifetime.count_claim()
             if self.lane.metrics is not None and claim.queued_at is not None:
                 self.lane.metrics.wait.observe(max(0.0, time.time() - claim.queued_at.timestamp()))
         self._pacing = Pacing.from_row(row, claim is not None, now)

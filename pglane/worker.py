@@ -64,11 +64,11 @@ from .call import EXIT_HUNG, Watchdog
 from .errors import ConfigurationError, DatabaseUnavailable, UnknownLane, first_line
 from .handler import Handler
 from .job import Claim
-from .lane import Lane, ServedLane, violations
+from .lane import Lane, ServedLane, recover, violations
 from .lifetime import Lifetime, Recovery
 from .metrics import Metrics
 from .session import KEEPALIVES, LIVENESS, SESSIONS, SlotSession
-from .shared import Sessions
+from .shared import Sessions, SharedSession
 from .slot import LockSession
 from .slotloop import SlotLoop
 
@@ -169,7 +169,7 @@ class Worker:
         self._recovery: Recovery | None = None
         if lanes_like is not None or sum(n for n, _ in self.plan.values()) > self.options.sessions:
             self._shared = Sessions(dsn, self.options.sessions, self.name, self.options.poll_interval,
-                                    self.options.liveness)
+                                    self.options.liveness, after_poll=self._recover_shared)
             self._recovery = Recovery(self.options.recover_interval)
 
     @property
@@ -392,6 +392,13 @@ class Worker:
             return await self._shared.place(s.id, s.slots)
         return await asyncio.to_thread(LockSession.connect, self.dsn, s.id, s.slots, f"{s.name} {self.name}",
                                        self.options.liveness)
+
+    def _recover_shared(self, session: SharedSession) -> None:
+        """After a shared session's poll: every lane's recovery, when the process's timer says it is due
+        (an idle slot would run it too, but idle slots on shared sessions wait for no timer)."""
+        if self._recovery is not None and self._recovery.due():
+            recover(session, None)
+            self._recovery.done()
 
     def _claim(self, slot: SlotLoop, session: SlotSession) -> Claim | None:
         """Every claim_or_wait of every slot goes through here, on the slot's session (a subclass may

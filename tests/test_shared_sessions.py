@@ -57,7 +57,7 @@ def test_a_cut_shared_session_loses_each_attempt_on_it_and_its_slots_are_taken_a
     lanes = {f"c{i}": 1 for i in range(6)}
     spare = {"spare": 1}  # an idle lane: a slot of the process that is free to recover (busy ones recover between jobs)
     proc = workers.start_lanes(create(conn, lanes | spare), *PAID, "--sessions", "2", "--name", "cut",
-                               "--recover-interval", "1s")
+                               "--recover-interval", "1s", "--poll-interval", "1s")
     wait_until(held_by_one_process(conn, lanes | spare), 30, "every slot")
     victim = slot_holder(conn, "c0")[0]
     on_victim = [name for name in lanes if slot_holder(conn, name) == [victim]]
@@ -157,7 +157,7 @@ def test_idle_lanes_on_shared_sessions_cost_one_statement_per_session_not_one_pe
 ) -> None:
     lanes = {f"i{i:02}": 1 for i in range(40)}
     proc = workers.start_lanes(create(conn, lanes), *PAID, "--sessions", "2", "--poll-interval", "0.5s",
-                               "--recover-interval", "60s", "--metrics-port", "0")
+                               "--recover-interval", "1s", "--metrics-port", "0")
     port = metrics_port(proc)
     wait_until(held_by_one_process(conn, lanes), 30, "every slot")
 
@@ -168,8 +168,9 @@ def test_idle_lanes_on_shared_sessions_cost_one_statement_per_session_not_one_pe
     wait_until(lambda: claims() >= len(lanes), 10, "each slot's first claim")
     before = claims()
     time.sleep(3)  # the window measured: six poll intervals of 40 idle lanes
-    # A poll per lane would claim 40 x 6 = 240 times in it; the sessions' polls (one statement each per
-    # interval, asking which lanes have a job due) claim for none of them.
+    # A poll per lane would claim 40 x 6 = 240 times in it, and a recovery timer that woke every slot
+    # 40 x 3; the sessions' polls (one statement each per interval, asking which lanes have a job due, then
+    # the process's recovery of every lane when due) claim for none of them.
     assert claims() == before
     job = pglane.enqueue(conn, "i17", {})  # a wake-up still reaches its lane: one claim, through the reader
     wait_until(all_done(conn, [job]), 10, "the woken lane's job")
@@ -202,3 +203,16 @@ def test_two_slots_of_a_lane_on_one_session_are_two_consumers_and_run_two_calls(
     assert b_start < a_end  # the lane's two slots called side by side, on one session
     attempts = [pglane.attempts(conn, j)[0] for j in jobs]
     assert attempts[0]["backend_pid"] == attempts[1]["backend_pid"]
+
+
+def test_max_jobs_ends_a_process_on_shared_sessions_at_its_last_job_not_at_the_next_poll(
+    conn: Any, workers: Workers, ledger: Ledger
+) -> None:
+    lanes = {f"m{i}": 1 for i in range(8)}
+    create(conn, lanes)
+    proc = workers.start_lanes([], *PAID, "--lanes-like", "m%", "--max-jobs", "2", "--poll-interval", "30")
+    wait_until(held_by_one_process(conn, lanes), 30, "every slot")
+    jobs = [pglane.enqueue(conn, "m3", {}) for _ in range(3)]
+    wait_until(all_done(conn, jobs[:2]), 20, "two jobs")
+    assert proc.wait(10) == 0  # the seven idle slots were told at once, not after the 30 s poll
+    assert status(conn, jobs[2]) == "queued" and len(ledger.calls()) == 2
