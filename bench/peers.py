@@ -10,32 +10,40 @@ pgqueuer: QueueManager over one asyncpg connection; entrypoint ``noop`` with con
 
 Each worker runs as ``python -m bench.peers {procrastinate|pgqueuer} DSN``; its task stamps the start
 of job n when BENCH_STAMPS is set.
+
+What each sends the server per job, read from the installed release (``procrastinate_job_sql``,
+``pgqueuer_job_sql``), is what bench.costs counts in a single-user backend.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import signal
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import asyncpg
 import procrastinate
 import psycopg
 from pgqueuer import Job, QueueManager
-from pgqueuer.queries import Queries
+from pgqueuer.queries import EntrypointExecutionParameter, Queries
+from pgqueuer.types import QueueEntrypoint, QueueManagerId
 from psycopg.conninfo import conninfo_to_dict
 
 from .procs import stamp
 from .real import Put, RealSystem
 
 ENTRYPOINT = "noop"
+CONCURRENCY_LIMIT = 1  # pgqueuer's entrypoint: one job at a time, as one slot of a lane
 
 
 async def _asyncpg(dsn: str) -> asyncpg.Connection:
@@ -121,7 +129,7 @@ async def _pgqueuer_worker(dsn: str) -> None:
     conn = await _asyncpg(dsn)
     qm = QueueManager(Queries.from_asyncpg_connection(conn))
 
-    @qm.entrypoint(ENTRYPOINT, concurrency_limit=1)
+    @qm.entrypoint(ENTRYPOINT, concurrency_limit=CONCURRENCY_LIMIT)
     async def noop(job: Job) -> None:
         stamp(int(json.loads(job.payload or b"{}").get("n", -1)))
 
@@ -186,6 +194,52 @@ class Pgqueuer(RealSystem):
                 await conn.close()
 
         return context()
+
+
+# ----- what each peer sends per job ------------------------------------------------------------
+
+def procrastinate_job_sql() -> tuple[str, str]:
+    """procrastinate's fetch and finish statements as its worker sends them (psycopg placeholders
+    ``%(name)s``): the installed release's queries.sql, read by its own loader."""
+    from procrastinate import sql as procrastinate_sql
+
+    return procrastinate_sql.queries["fetch_job"], procrastinate_sql.queries["finish_job"]
+
+
+class _Recorder:
+    """A pgqueuer driver that keeps what it is asked to send and answers nothing."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, tuple[Any, ...]]] = []
+
+    async def fetch(self, query: str, *args: Any) -> list[Any]:
+        self.sent.append((query, args))
+        return []
+
+    async def execute(self, query: str, *args: Any) -> str:
+        self.sent.append((query, args))
+        return ""
+
+
+def pgqueuer_job_sql(queue_manager_id: uuid.UUID, job_id: int) -> list[tuple[str, tuple[Any, ...]]]:
+    """pgqueuer's dequeue and completion statements (``$n`` placeholders) and their arguments, as its
+    QueueManager sends them for the bench's worker (entrypoint noop, concurrency_limit 1, batch_size 1,
+    run()'s own defaults for the rest), with job ``job_id`` completed: its Queries, over a driver that
+    records."""
+    recorder = _Recorder()
+    queries = Queries(recorder)  # type: ignore[arg-type]
+    run = inspect.signature(QueueManager.run).parameters
+
+    async def send() -> None:
+        await queries.dequeue(batch_size=1, entrypoints={
+            QueueEntrypoint(ENTRYPOINT): EntrypointExecutionParameter(concurrency_limit=CONCURRENCY_LIMIT)},
+            queue_manager_id=QueueManagerId(queue_manager_id),
+            global_concurrency_limit=run["max_concurrent_tasks"].default or None,
+            heartbeat_timeout=run["heartbeat_timeout"].default)
+        await queries.log_jobs([(SimpleNamespace(id=job_id), "successful", None)])  # type: ignore[list-item]
+
+    asyncio.run(send())
+    return recorder.sent
 
 
 if __name__ == "__main__":

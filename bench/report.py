@@ -27,7 +27,20 @@ TARGETS: dict[str, tuple[str, str | None, float | None]] = {
     "claim_p50 history/1k": ("claim p50 latency", "<=", 1.3),
     "enqueue_time bounded/unbounded": ("time per enqueue at 100k queued", "<=", 1.5),
     "takeover_s": ("median seconds", "<", 1.0),
+    # #35, counted in a single-user backend of the server's binaries (bench.costs): ratios within each round
+    "cost_instructions pglane/best_peer": ("server instructions per job", "<=", 0.5),
+    "cost_wal pglane/best_peer": ("WAL bytes per job, full-page images excluded", "<=", 0.5),
+    "cost_wal_fpi pglane/best_peer": ("WAL bytes per job, full-page images included", None, None),
+    "cost_instructions pglane/floor_one_commit": ("server instructions per job", "<=", 2.0),
+    # a claim and completion at max_connections 1,000 with 500 idle sessions over 100 (bench.costs.connections)
+    "connections_instructions 1000/100": ("claim + completion instructions", None, None),
+    "connections_beyond_floor 1000/100": ("the same, less what floor_one_commit's transaction gains", "<=", 1.01),
+    "connections_claim_p50 1000/100": ("claim p50 latency, a real backend", None, None),
 }
+# the counted cost's figures (bench.costs): the judged WAL is without full-page images (a drain that
+# starts right after a checkpoint logs a whole page at the first change of every page it touches)
+COUNTED = {"cost_instructions": "instructions_per_job", "cost_wal": "wal_bytes_per_job_no_fpi",
+           "cost_wal_fpi": "wal_bytes_per_job"}
 
 
 def targets_for(slot_counts: list[int]) -> dict[str, tuple[str, str | None, float | None]]:
@@ -79,6 +92,41 @@ def paired(block: dict[str, Any], a: tuple[str, int], b: list[tuple[str, int]]
     return float(statistics.median(per_rep)), median_interval(per_rep)
 
 
+def better_peer(cost: dict[str, Any], key: str) -> str | None:
+    """The peer with the lower median of a counted figure (bench.costs), if any was counted."""
+    found = [p for p in PEERS if key in cost.get(p, {})]
+    return min(found, key=lambda p: float(cost[p][key]["median"])) if found else None
+
+
+def counted_ratios(block: dict[str, Any]) -> dict[str, tuple[float, tuple[float, float]]]:
+    """The counted cost's ratios (COUNTED, against the better peer and floor_one_commit) and the
+    connections' ratios: the median of the ratios within each round and its interval."""
+    cost = block.get("cost_per_job", {})
+    out: dict[str, tuple[float, tuple[float, float]]] = {}
+
+    def paired(name: str, a: list[float], b: list[float]) -> None:
+        per_round = [x / y for x, y in zip(a, b, strict=True)]
+        out[name] = (float(statistics.median(per_round)), median_interval(per_round))
+
+    for prefix, key in COUNTED.items():
+        if key not in cost.get("pglane", {}):
+            continue
+        peer = better_peer(cost, key)
+        if peer is not None:
+            paired(f"{prefix} pglane/best_peer", cost["pglane"][key]["runs"], cost[peer][key]["runs"])
+        if prefix == "cost_instructions" and key in cost.get("floor_one_commit", {}):
+            paired(f"{prefix} pglane/floor_one_commit", cost["pglane"][key]["runs"],
+                   cost["floor_one_commit"][key]["runs"])
+    conns = block.get("cost_counted", {}).get("connections")
+    if conns:
+        for name, found in (("connections_instructions", conns["instructions_ratio"]["head"]),
+                            ("connections_beyond_floor", conns["beyond_floor_ratio"])):
+            out[f"{name} 1000/100"] = (float(found["median"]), tuple(found["interval_90"]))
+        p50 = conns["claim_p50_ratio"]
+        out["connections_claim_p50 1000/100"] = (float(p50["value"]), tuple(p50["interval_90"]))
+    return out
+
+
 def ratios(block: dict[str, Any]) -> dict[str, float | None]:
     """Every ratio of targets_for; the throughput ones' intervals go into block["intervals"]."""
     results = block["results"]
@@ -125,6 +173,9 @@ def ratios(block: dict[str, Any]) -> dict[str, float | None]:
         "enqueue_time bounded/unbounded": _div(rate("insert_unbounded_100k"), rate("insert_bounded_100k")),
         "takeover_s": block.get("takeover_s", {}).get("median"),
     })
+    for name, (value, interval) in counted_ratios(block).items():
+        out[name] = value
+        intervals[name] = list(interval)
     return out
 
 
@@ -262,10 +313,7 @@ def markdown(doc: dict[str, Any]) -> str:
     enq_rows = [[name, _f(v["jobs_per_s"]["median"], 0), f"{v['jobs_per_s']['min']:,.0f}-{v['jobs_per_s']['max']:,.0f}"]
                 for name, v in enqueue.items() if isinstance(v, dict) and "jobs_per_s" in v]
     parts.append(_table(["enqueue variant", "jobs/s (median)", "range"], enq_rows))
-    cost_rows = [[name, _f(c.get("round_trips_per_job")), _f(c.get("commits_per_job")),
-                  _f(c.get("write_commits_per_job")), _f(c.get("wal_bytes_per_job"), 0)]
-                 for name, c in doc.get("cost_per_job", {}).items()]
-    parts.append(_table(["cost per job", "round trips", "commits (all)", "write commits", "WAL bytes"], cost_rows))
+    parts += cost_markdown(doc)
     take = doc.get("takeover_s", {})
     if take:
         parts.append(f"takeover after SIGKILL: median {take['median']:.3f} s (range {take['min']:.3f}-"
@@ -277,6 +325,56 @@ def markdown(doc: dict[str, Any]) -> str:
     if any(v is not None for v in split.values()):
         parts.append(_table(["where the wake latency goes", "ratio"], [[k, _f(v, 3)] for k, v in split.items()]))
     return "\n\n".join(parts) + "\n"
+
+
+def _spread(v: dict[str, Any] | None) -> str:
+    return "-" if not v else f"{v['median']:,.0f} ({v['min']:,.0f}-{v['max']:,.0f})"
+
+
+def cost_markdown(doc: dict[str, Any]) -> list[str]:
+    """The cost per job (counted and drained), the #35 targets stated plainly, the connections."""
+    cost = doc.get("cost_per_job", {})
+    counted = doc.get("cost_counted", {})
+    parts = []
+    rows = []
+    for name, c in cost.items():
+        d = c.get("real_drain", {})
+        rows.append([name, _spread(c.get("instructions_per_job")), _spread(c.get("wal_bytes_per_job_no_fpi")),
+                     _spread(c.get("wal_bytes_per_job")), _f(d.get("round_trips_per_job")),
+                     _f(d.get("commits_per_job")), _f(d.get("write_commits_per_job")),
+                     _f(d.get("wal_bytes_per_job"), 0)])
+    if rows:
+        parts.append(_table(["cost per job", "server instructions (median, min-max)", "WAL bytes, no full-page images",
+                             "WAL bytes", "real drain: round trips", "commits (all)", "write commits", "WAL bytes"],
+                            rows))
+    if "skipped" in counted:
+        parts.append(f"server instructions and counted WAL: skipped: {counted['skipped']}")
+    elif counted:
+        lines = [f"Counted in a single-user backend of {counted['postgres']} ({counted['bindir']}), "
+                 f"{len(cost['pglane']['instructions_per_job']['runs'])} rounds of "
+                 f"{cost['pglane']['jobs_per_round']} jobs. #35's targets:"]
+        for name, v in doc.get("targets", {}).items():
+            if not name.startswith(("cost_", "connections_")) or v["value"] is None:
+                continue
+            peer = better_peer(cost, COUNTED.get(name.split(" ")[0], "")) if "best_peer" in name else None
+            judged = {"met": "**met**", "missed": "**not met**"}.get(v["verdict"], v["verdict"])
+            low, high = v.get("interval_90") or (v["value"], v["value"])
+            lines.append(f"- {name.replace('best_peer', peer or 'best_peer')} ({v['of']}): {v['value']:.3f} "
+                         f"[{low:.3f}-{high:.3f}], target {v['target']}: {judged}")
+        parts.append("\n".join(lines))
+        conns = counted["connections"]
+        ipj = conns["instructions_per_job"]
+        crow = [[f"{n}" + (f" + {conns['idle_sessions'][n]} idle sessions" if conns["idle_sessions"][n] else ""),
+                 *[_spread(ipj[name][n]) for name in ipj], _f(conns["claim_latency"][n]["p50_ms"], 3)]
+                for n in conns["idle_sessions"]]
+        crow.append(["added per job (median of rounds)",
+                     *[f"{conns['instructions_added'][name]['median']:+,.0f}" for name in ipj], ""])
+        crow.append(["ratio (median of rounds)",
+                     *[f"{conns['instructions_ratio'][name]['median']:.4f}" for name in ipj],
+                     f"{conns['claim_p50_ratio']['value']:.3f}"])
+        parts.append(_table(["max_connections", *[f"instructions per job, {name}" for name in ipj],
+                             "claim p50 ms (real backend)"], crow))
+    return parts
 
 
 def versions_table(blocks: list[dict[str, Any]]) -> str:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import floors, real
+from . import costs, floors, real
 from . import throughput as tp
 from .pglane_runs import Pglane, claim_latency, enqueue_throughput, takeover
 from .server import BenchServer
@@ -139,15 +139,24 @@ def enqueue(ctx: Context) -> None:
 
 
 def cost(ctx: Context) -> None:
+    """Per system: what a real drain of the system's consumer costs (``real_drain``: WAL bytes, commits,
+    round trips; bench.real) and, counted in a single-user backend of the server's own binaries
+    (bench.costs), server instructions and WAL bytes per job with their spread over rounds; beside
+    them (``cost_counted``) whether a claim's cost grows with the server's connections."""
     consumers: dict[str, real.RealSystem] = {s.name: s for s in (ctx.pglane, *ctx.peers)}
-    costs: dict[str, Any] = {}
+    found: dict[str, Any] = {}
     for name in ("pglane", *PEERS, "floor_two_commits", "floor_one_commit", "floor_contract"):
         progress(f"cost per job: {name}")
         if name in consumers:
-            costs[name] = real.cost(ctx.server, consumers[name], ctx.sizes.cost_jobs, ctx.logs)
+            drained = real.cost(ctx.server, consumers[name], ctx.sizes.cost_jobs, ctx.logs)
         else:
-            costs[name] = floors.cost(ctx.server, name, ctx.sizes.cost_jobs)
-    ctx.block["cost_per_job"] = costs
+            drained = floors.cost(ctx.server, name, ctx.sizes.cost_jobs)
+        found[name] = {"real_drain": drained}
+    ctx.block["cost_per_job"] = found
+    counted = costs.counted(ctx.server.admin_dsn, ctx.sizes.repetitions)
+    for name, figures in counted.pop("per_job", {}).items():
+        found.setdefault(name, {}).update(figures)
+    ctx.block["cost_counted"] = counted
 
 
 @dataclass(frozen=True)
@@ -167,7 +176,8 @@ SCENARIOS: dict[str, Scenario] = {  # the parts of a server's run first, in the 
     "takeover": Scenario("a standby worker takes over after the active one is SIGKILLed mid-call", takeovers),
     "enqueue": Scenario("enqueue throughput: INSERT, pglane.enqueue, a batch; a bounded lane at 100k queued",
                         enqueue),
-    "cost": Scenario("WAL bytes, commits and round trips per job, every system", cost),
+    "cost": Scenario("server instructions (callgrind) and WAL bytes per job of every system's own SQL; a"
+                     " claim at 100 and 1,000 connections; WAL, commits and round trips of real drains", cost),
     "scale": Scenario("listings and lane_status behind 1M jobs; what the counts cost a claim (also in"
                       " instructions)", module="scale"),
     "rates": Scenario("what a rate limit costs a worker and a claim, and how close a limited lane gets to"
@@ -184,6 +194,8 @@ SCENARIOS: dict[str, Scenario] = {  # the parts of a server's run first, in the 
                         " statements", module="profile"),
     "groups": Scenario("what a lane's groups cost: claim latency and a worker's throughput with 10,000 groups"
                        " and 100k queued, enqueue; 6 workers never run two of a group", module="groups"),
+    "features": Scenario("server instructions per job of a plain lane and what a rate limit, a bound, a strict"
+                         " lane, groups and waiters add (callgrind)", module="costs"),
     "lanes": Scenario("1,000 one-slot lanes in one process: its connections, idle CPU, wake against a one-lane"
                       " worker; 100 busy lanes in one process against 100 processes and floor_one_commit",
                       module="lanes"),
