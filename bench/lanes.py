@@ -163,6 +163,14 @@ def wait_held(conn: psycopg.Connection[Any], like: str, count: int, running: lis
     return time.monotonic() - started
 
 
+def rss_mb(pid: int) -> float:
+    """The resident memory of process ``pid`` (VmRSS in /proc), in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
 def connections(conn: psycopg.Connection[Any], name: str) -> int:
     row = conn.execute("SELECT count(*) AS n FROM pg_stat_activity WHERE strpos(application_name, %s) > 0",
                        (name,)).fetchone()
@@ -394,7 +402,8 @@ def standing(conn: psycopg.Connection[Any], dsn: str, s: Settings, idle_lanes: l
         if "connections" in parts:
             many = connections(conn, MANY)
             out["connections"] = {"lanes": s.lanes, "ready_s": round(ready, 2), "many": many,
-                                  "per_lane": round(many / s.lanes, 4), "one_lane": connections(conn, ONE)}
+                                  "per_lane": round(many / s.lanes, 4), "one_lane": connections(conn, ONE),
+                                  "rss_mb": {who: rss_mb(p.pid) for who, p in workers.items()}}
         if "idle" in parts:
             print(f"idle: a {s.window:g} s window", flush=True)
             found: dict[str, Any] = {}
@@ -444,6 +453,9 @@ def report(found: dict[str, Any]) -> str:
         c = found["connections"]
         lines.append(f"connections: {c['many']} for {c['lanes']} lanes ({c['per_lane']} per lane; every slot held"
                      f" after {c['ready_s']} s); the one-lane worker {c['one_lane']}")
+        if "rss_mb" in c:
+            lines.append(f"memory (RSS): the {c['lanes']}-lane process {c['rss_mb']['many']} MB, the one-lane"
+                         f" process {c['rss_mb']['one']} MB")
     if "idle" in found:
         i = found["idle"]
         lines.append(f"idle, {i['window_s']} s ({_machine(i['machine'])}; settled: {i['settled']}), CPU s per s:"

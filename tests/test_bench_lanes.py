@@ -30,6 +30,7 @@ def test_the_lanes_bench_measures_every_part_and_runs_each_job_once(dsn: str, tm
 
     c = found["connections"]
     assert c["lanes"] == LANES and c["one_lane"] >= 1 and c["ready_s"] > 0
+    assert c["rss_mb"]["many"] > 10 and c["rss_mb"]["one"] > 10  # a Python process with psycopg loaded
     if found["settings"]["sessions_passed"]:  # K shared sessions and the lanes watcher's connection
         assert 1 <= c["many"] <= found["settings"]["sessions"] + 2, c
     else:  # a connection per slot
