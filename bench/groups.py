@@ -472,7 +472,7 @@ def _one_statement(query: LiteralString, backlog: Backlog, grouped: bool
         i = backlog.next
         group = group_of(i, backlog.groups) if grouped and backlog.groups else None
         params: tuple[object, ...] = ((backlog.lane, f'{{"n": {i}}}', group) if query is INSERT else
-                                      (backlog.lane, f'{{"n": {i}}}', None, None, "error", 1, group, 0, None))
+                                      (backlog.lane, f'{{"n": {i}}}', None, None, "error", 1, group, 0, None, None))
         t0 = time.perf_counter()
         conn.execute(query, params)
         elapsed = time.perf_counter() - t0

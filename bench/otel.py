@@ -1,4 +1,4 @@
-"""What tracing costs a worker (#36): `python -m bench.otel [--jobs N] [--rounds R] [--json FILE]`.
+"""What tracing costs a worker (#36): `python -m bench --only otel [--jobs N] [--rounds R] [--json FILE]`.
 
 One lane (``otel_bench``), drained by one real ``pglane worker otel_bench --handler bench.handlers:noop
 --max-jobs N`` (default 3,000 jobs) in two ways, alternated round by round in an order rotated each round:
@@ -58,7 +58,7 @@ def drain(dsn: str, mode: str, jobs: int, log: Path) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.otel", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench --only otel", description=__doc__.split("\n\n")[0])
     p.add_argument("--jobs", type=int, default=3000)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--json", type=Path)

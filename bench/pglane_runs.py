@@ -43,11 +43,11 @@ def insert_params(lane: str, payload: str) -> tuple[str, str]:
     return (lane, payload)
 
 
-def enqueue_params(lane: str, payload: str) -> tuple[str, str, None, None, str, int, None, int, None]:
+def enqueue_params(lane: str, payload: str) -> tuple[str, str, None, None, str, int, None, int, None, None]:
     """queries.ENQUEUE's parameters for one job: no idempotency key, no run_after, an error if the
-    lane is full, cost 1, no group, priority 0, no job timeout of its own (the order of
+    lane is full, cost 1, no group, priority 0, no job timeout of its own, no traceparent (the order of
     pglane.enqueue's arguments, as pglane.statements sends them)."""
-    return (lane, payload, None, None, "error", 1, None, 0, None)
+    return (lane, payload, None, None, "error", 1, None, 0, None, None)
 
 
 def lane_id(conn: psycopg.Connection[Any], name: str) -> int:

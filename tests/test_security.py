@@ -152,7 +152,7 @@ def test_the_roles_migration_is_safe_to_run_again_after_a_downgrade(dsn: str, co
     schema.upgrade(dsn)
     schema.upgrade(dsn)
     acl = conn.execute("SELECT has_function_privilege('pglane_producer',"
-                       " 'pglane.enqueue(text,jsonb,text,timestamptz,text,integer,text,integer,interval)',"
+                       " 'pglane.enqueue(text,jsonb,text,timestamptz,text,integer,text,integer,interval,text)',"
                        " 'EXECUTE') AS p,"
                        " has_function_privilege('public', 'pglane.claim(text,text)', 'EXECUTE') AS q").fetchone()
     assert (acl["p"], acl["q"]) == (True, False)
