@@ -34,7 +34,8 @@ a busy server amortises over a checkpoint interval).
 **Connections** (``connections``, in the same part): a claim's instructions with the postmaster
 itself under callgrind (a real backend, counted in its own process), at ``max_connections`` 100 and
 at 1,000 with 500 idle sessions open; and a real backend's claim latency (no valgrind) at both,
-interleaved, reported as the ratio of the p50s. Each configuration has its own copy of every
+interleaved, reported as the ratio of the p50s within each round (median and interval over the
+rounds: the machine's load moves more between rounds than within one). Each configuration has its own copy of every
 database, so round r of both sees the same tables. Beside head: floor_one_commit, whose one
 transaction per job shows what PostgreSQL itself adds per transaction when more backends exist (its
 snapshots read every backend's entry of the proc array), which head's claim and completion, one
@@ -434,8 +435,6 @@ def connections(bindir: Path, rounds: int, jobs: int = JOBS, claims: int = 500, 
     latency at max_connections 100 and at 1,000 with ``idle`` idle sessions (see the module doc):
     head's claim and completion, 0008's, and floor_one_commit's one transaction per job, which says
     what PostgreSQL itself adds per transaction."""
-    from .stats import ratio_interval
-
     configs = {100: 0, 1000: idle}  # max_connections: idle sessions open beside the measured one
     floor = consumer("floor_one_commit")
     systems = {"head": (_at("head"), callgrind.Drain()), "0008": (_at("0008"), callgrind.Drain()),
@@ -466,12 +465,12 @@ def connections(bindir: Path, rounds: int, jobs: int = JOBS, claims: int = 500, 
                             value = _counted_drain(dsn, f"conn_{name}_{n}", systems[name][1], jobs, out)
                             counts[name][n].append(value)
                             progress(f"connections round {r + 1}/{rounds}: {name} at {n}: {value:,.0f}/job")
-        times: dict[int, list[float]] = {n: [] for n in configs}
+        times: dict[int, list[list[float]]] = {n: [] for n in configs}  # per round
         for r in range(rounds):
             for n, others in (list(configs.items()) if r % 2 == 0 else list(configs.items())[::-1]):
                 progress(f"connections: claim latency round {r + 1}/{rounds}, max_connections {n}")
                 with postmaster(found, n) as dsn, idle_sessions(dsn, others):
-                    times[n] += _claim_latency(dsn, "conn_latency", claims)
+                    times[n].append(_claim_latency(dsn, "conn_latency", claims))
     progress_done()
     low, high = sorted(configs)
     doc: dict[str, Any] = {"jobs_per_round": jobs, "rounds": rounds, "claims_per_round": claims,
@@ -488,9 +487,12 @@ def connections(bindir: Path, rounds: int, jobs: int = JOBS, claims: int = 500, 
         counts["head"][high], counts["head"][low], counts["floor_one_commit"][high], counts["floor_one_commit"][low],
         strict=True)]
     doc["beyond_floor_ratio"] = {**spread(beyond), "interval_90": list(median_interval(beyond))}
-    doc["claim_latency"] = {str(n): latency_ms(t) for n, t in times.items()}
-    ratio = statistics.median(times[high]) / statistics.median(times[low])
-    doc["claim_p50_ratio"] = {"value": ratio, "interval_90": list(ratio_interval(times[high], times[low], 50))}
+    doc["claim_latency"] = {str(n): latency_ms([t for found_round in t_rounds for t in found_round])
+                            for n, t_rounds in times.items()}
+    # the machine's load moves between rounds more than within one: the p50s' ratio within each round
+    ratios = [statistics.median(a) / statistics.median(b) for a, b in zip(times[high], times[low], strict=True)]
+    doc["claim_p50_ratio"] = {**spread(ratios), "value": statistics.median(ratios),
+                              "interval_90": list(median_interval(ratios))}
     return doc
 
 
