@@ -72,7 +72,7 @@ def recover(session: Session | SlotSession, lane: str | None) -> None:
     if row and row["recover"]:
         log.warning("recovered %s attempt(s) of %s whose worker was gone (marked lost)", row["recover"],
                     f"lane {lane}" if lane else "the lanes")
-        if tracing.ENABLED:
+        if tracing.active():
             found = session.execute(queries.LOST_AT, (row["at"],))
             tracing.lost(json.loads(found["lost"]) if found else [])
 

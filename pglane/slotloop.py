@@ -225,7 +225,7 @@ class SlotLoop:
                 job = claim.job
                 logs.JOB.set((job.id, job.attempt_id, tracing.trace_id(claim.traceparent)))
                 spans = tracing.Attempt(job.lane, job.id, job.attempt_id, job.attempt_number, job.seq,
-                                        claim.traceparent, claim.queued_at) if tracing.ENABLED else None
+                                        claim.traceparent, claim.queued_at) if tracing.active() else None
                 try:
                     outcome = await self._call(session, claim)
                 except Hung:

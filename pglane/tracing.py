@@ -1,8 +1,9 @@
 """Traces: OpenTelemetry spans from the producer's enqueue, through the wait in the lane, to the handler's
 call and its completion (the optional extra ``pglane[otel]``; docs/operations.md, "Traces and logs").
 
-Without ``opentelemetry-api`` installed nothing here does more than test ``ENABLED``; with it and no SDK
-configured the spans are the API's no-op ones. What a trace holds, one per job attempt:
+Without ``opentelemetry-api`` installed nothing here does more than test ``ENABLED``; with it and no tracer
+provider set by the application (no SDK, no exporter), ``active()`` is false and no span is made. What a
+trace holds, one per job attempt:
 
     send LANE      PRODUCER  the enqueue (pglane.enqueue and its aio twin): its context is the job's
                              ``traceparent``, which a plain INSERT from any language may also set
@@ -32,13 +33,20 @@ from typing import Any
 try:
     from opentelemetry import context as otel_context
     from opentelemetry import trace
-    from opentelemetry.trace import SpanKind, Status, StatusCode
+    from opentelemetry.trace import ProxyTracerProvider, SpanKind, Status, StatusCode
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 except ImportError:  # the extra is not installed: no spans, and no cost
     ENABLED = False
 else:
     ENABLED = True
     _PROPAGATOR = TraceContextTextMapPropagator()
+    _TRACER = trace.get_tracer("pglane")  # a proxy until the application sets its provider, then that one's
+
+
+def active() -> bool:
+    """Whether spans are recorded: the API is installed and the application has set a tracer provider (an
+    SDK). Without one every span would be the API's no-op: none is made at all (bench: ``--only otel``)."""
+    return ENABLED and not isinstance(trace.get_tracer_provider(), ProxyTracerProvider)
 
 SYSTEM = "pglane"
 
@@ -46,10 +54,6 @@ SYSTEM = "pglane"
 def trace_id(traceparent: str | None) -> str | None:
     """The trace id a W3C traceparent names (32 hex), whether or not OpenTelemetry is installed."""
     return traceparent[3:35] if traceparent else None
-
-
-def _tracer() -> Any:
-    return trace.get_tracer("pglane")
 
 
 def _attributes(lane: str, operation: str, **more: Any) -> dict[str, Any]:
@@ -80,10 +84,10 @@ UNTRACED = Sending(None, None)
 def sending(lane: str) -> Iterator[Sending]:
     """The ``send LANE`` span around an enqueue (a child of the caller's current span), ended when the
     enqueue returns or raises (the error recorded); its context is the traceparent to store."""
-    if not ENABLED:
+    if not active():
         yield UNTRACED
         return
-    span = _tracer().start_span(f"send {lane}", kind=SpanKind.PRODUCER,
+    span = _TRACER.start_span(f"send {lane}", kind=SpanKind.PRODUCER,
                                 attributes=_attributes(lane, "send", **{"messaging.operation.name": "enqueue"}))
     carrier: dict[str, str] = {}
     _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
@@ -110,7 +114,7 @@ def _ns(moment: datetime) -> int:
 
 class Attempt:
     """The spans of one attempt in the worker that claimed it: ``wait`` (ended at once), ``process``
-    (current in the slot's task while the handler runs), ``settle``. Made only when ENABLED."""
+    (current in the slot's task while the handler runs), ``settle``. Made only when ``active()``."""
 
     def __init__(self, lane: str, job_id: int, attempt_id: int, attempt_number: int, seq: int,
                  traceparent: str | None, queued_at: datetime | None, group: str | None = None) -> None:
@@ -119,7 +123,7 @@ class Attempt:
         now = time.time_ns()
         ids = {"messaging.message.id": str(job_id), "pglane.attempt.id": attempt_id,
                "pglane.attempt.number": attempt_number, "pglane.seq": seq, "pglane.group": group}
-        tracer = _tracer()
+        tracer = _TRACER
         if queued_at is not None:
             tracer.start_span(f"wait {lane}", context=parent, start_time=min(_ns(queued_at), now),
                               attributes=_attributes(lane, "receive", **ids)).end(end_time=now)
@@ -136,7 +140,7 @@ class Attempt:
             self.span.set_attribute("pglane.retry_after", retry_after)
         if error is not None and outcome != "deferred":
             self.span.set_status(Status(StatusCode.ERROR, error.partition("\n")[0][:200]))
-        self._settle = _tracer().start_span(f"settle {self.lane}", context=trace.set_span_in_context(self.span),
+        self._settle = _TRACER.start_span(f"settle {self.lane}", context=trace.set_span_in_context(self.span),
                                             attributes=_attributes(self.lane, "settle"))
 
     def settled(self, stored: bool) -> None:
@@ -157,7 +161,7 @@ class Attempt:
 def lost(rows: list[dict[str, Any]]) -> None:
     """A ``lost LANE`` span for each attempt this worker's recovery just marked lost (queries.LOST_AT's
     objects; times in epoch seconds), in its job's trace, from the attempt's start to its recovery."""
-    tracer = _tracer()
+    tracer = _TRACER
     for row in rows:
         ids = {"messaging.message.id": str(row["job_id"]), "pglane.attempt.id": row["attempt_id"],
                "pglane.attempt.number": row["attempt_number"], "pglane.seq": row["seq"],
