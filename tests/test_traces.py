@@ -67,7 +67,7 @@ def named(exporter: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
 
 
 def one(exporter: InMemorySpanExporter, name: str) -> ReadableSpan:
-    found = wait_until(lambda: named(exporter, name), 10, f"the span {name!r}")
+    found: list[ReadableSpan] = wait_until(lambda: named(exporter, name), 10, f"the span {name!r}")
     assert len(found) == 1, [s.name for s in exporter.get_finished_spans()]
     return found[0]
 

@@ -16,7 +16,6 @@ Applies jobs.sql, claim.sql and roles.sql; downgrade applies 0013's text (alembi
 """
 
 from alembic import op
-
 from pglane.schema import apply_sql
 
 revision = "0016"
