@@ -222,32 +222,38 @@ class SlotLoop:
             if session.news:  # pglane lane set changed the lane: its settings apply from here
                 self.lane.reload(session)
             if claim is not None:
-                job = claim.job
-                logs.JOB.set((job.id, job.attempt_id, tracing.trace_id(claim.traceparent)))
-                spans = tracing.Attempt(job.lane, job.id, job.attempt_id, job.attempt_number, job.seq,
-                                        claim.traceparent, claim.queued_at) if tracing.active() else None
-                try:
-                    outcome = await self._call(session, claim)
-                except Hung:
-                    if spans is not None:
-                        spans.called("timed_out", "the handler outlived the hard timeout")
-                        spans.settled(True)
-                    raise
-                if spans is not None:
-                    spans.called(outcome.name, outcome.error, outcome.retry_after)
-                self.jobs_run += 1
-                self.lifetime.jobs_run += 1
-                try:
-                    claim = self._store_and_claim(session, claim, outcome)
-                finally:
-                    if spans is not None:
-                        spans.settled(self.outbox.held is None)
-                    logs.JOB.set(None)
+                claim = await self._run(session, claim)
                 if time.monotonic() >= turn:  # SIGTERM's handler runs on a turn of the loop: give it one
                     await asyncio.sleep(0)
                     turn = time.monotonic() + LOOP_TURN
             else:
                 claim = await self._wait_and_claim(session)
+
+    async def _run(self, session: SlotSession, claim: Claim) -> Claim | None:
+        """Calling, then writing (module doc): the claimed job's call, its outcome stored and, on the fast
+        path, the next job claimed (returned). The job's log context and spans (pglane.logs, pglane.tracing)
+        span both."""
+        job = claim.job
+        logs.JOB.set((job.id, job.attempt_id, tracing.trace_id(claim.traceparent)))
+        spans = tracing.Attempt(job.lane, job.id, job.attempt_id, job.attempt_number, job.seq,
+                                claim.traceparent, claim.queued_at) if tracing.active() else None
+        try:
+            outcome = await self._call(session, claim)
+        except Hung:
+            if spans is not None:
+                spans.called("timed_out", "the handler outlived the hard timeout")
+                spans.settled(True)
+            raise
+        if spans is not None:
+            spans.called(outcome.name, outcome.error, outcome.retry_after)
+        self.jobs_run += 1
+        self.lifetime.jobs_run += 1
+        try:
+            return self._store_and_claim(session, claim, outcome)
+        finally:
+            if spans is not None:
+                spans.settled(self.outbox.held is None)
+            logs.JOB.set(None)
 
     def _call(self, session: SlotSession, claim: Claim) -> Coroutine[Any, Any, Outcome]:
         """Calling (pglane.call); a plain method handing on the call's coroutine, so it costs no second one."""
