@@ -68,15 +68,23 @@ BEGIN
     END IF;
 END $$;
 
--- is_traceparent: whether p_value is a W3C trace context header of version 00: 00-<trace id: 32 lower-case
--- hex, not all zero>-<parent span id: 16, not all zero>-<flags: 2>. The insert trigger refuses any other.
-CREATE OR REPLACE FUNCTION pglane.is_traceparent(p_value text) RETURNS boolean
-LANGUAGE sql IMMUTABLE PARALLEL SAFE
+-- check_traceparent: what a job's traceparent must be (jobs_before_insert): a W3C trace context header of
+-- version 00, 00-<trace id: 32 lower-case hex, not all zero>-<parent span id: 16, not all zero>-<flags: 2>;
+-- raises what is wrong and what to send instead.
+CREATE OR REPLACE FUNCTION pglane.check_traceparent(p_value text) RETURNS void
+LANGUAGE plpgsql IMMUTABLE
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT p_value ~ '^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$'
-       AND substr(p_value, 4, 32) <> repeat('0', 32) AND substr(p_value, 37, 16) <> repeat('0', 16);
-$$;
+BEGIN
+    IF p_value ~ '^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$'
+       AND substr(p_value, 4, 32) <> repeat('0', 32) AND substr(p_value, 37, 16) <> repeat('0', 16) THEN
+        RETURN;
+    END IF;
+    RAISE EXCEPTION USING ERRCODE = 'PGL10',
+        MESSAGE = format('traceparent %L is not a W3C trace context (00-<32 hex trace id>-<16 hex span id>-'
+                         '<2 hex flags>, lower case, ids not all zero)', left(p_value, 80)),
+        HINT = 'send the traceparent your tracer propagates (OpenTelemetry: TraceContextTextMapPropagator), or none';
+END $$;
 
 -- jobs_before_insert: validate one new job. Runs before the unique check, so a refused row is never
 -- written, and a duplicate key with a bad payload is still refused for its payload.
@@ -110,13 +118,8 @@ BEGIN
             HINT = 'insert only lane, payload, idempotency_key, run_after, cost, group_key, priority, '
                    'job_timeout and traceparent; pglane sets the rest';
     END IF;
-    -- The producer's trace context (W3C traceparent, version 00), for the worker's spans; set here only.
-    IF NEW.traceparent IS NOT NULL AND NOT pglane.is_traceparent(NEW.traceparent) THEN
-        RAISE EXCEPTION USING ERRCODE = 'PGL10',
-            MESSAGE = format('traceparent %L is not a W3C trace context (00-<32 hex trace id>-<16 hex span id>-'
-                             '<2 hex flags>, lower case, ids not all zero)', left(NEW.traceparent, 80)),
-            HINT = 'send the traceparent your tracer propagates (OpenTelemetry: TraceContextTextMapPropagator), '
-                   'or none';
+    IF NEW.traceparent IS NOT NULL THEN  -- the producer's trace context, for the worker's spans; set here only
+        PERFORM pglane.check_traceparent(NEW.traceparent);
     END IF;
     -- A job's own call timeout: at most its lane's, which sizes the lease and the worker's timeouts.
     IF NEW.job_timeout <= interval '0' OR NEW.job_timeout > v_timeout THEN

@@ -6,7 +6,7 @@ Create Date: 2026-12-08
 
 - jobs.traceparent: the producer's W3C trace context (version 00), set by pglane.enqueue's Python
   twins from the current OpenTelemetry span, or by any producer's plain INSERT; NULL: none. The insert
-  trigger refuses a malformed one with a clear message (PGL10, pglane.is_traceparent), nothing written;
+  trigger refuses a malformed one with a clear message (PGL10, pglane.check_traceparent), nothing written;
   nothing updates it.
 - enqueue() gains p_traceparent; producers may INSERT traceparent.
 - the claim hands the worker the job's traceparent and its enqueue time (pglane.claimed.traceparent,
@@ -35,7 +35,7 @@ BEFORE = """
 
 UNDO = """
     DROP FUNCTION pglane.enqueue(text, jsonb, text, timestamptz, text, integer, text, integer, interval, text);
-    DROP FUNCTION pglane.is_traceparent(text);
+    DROP FUNCTION pglane.check_traceparent(text);
     ALTER TYPE pglane.claimed DROP ATTRIBUTE traceparent, DROP ATTRIBUTE queued_at;
     ALTER TABLE pglane.jobs DROP COLUMN traceparent;
 """
