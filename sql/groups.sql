@@ -108,12 +108,15 @@ BEGIN
 END $$;
 
 -- served: the claim took a job of group p_group (take, claim.sql): when, for group_status. The shared
--- group (no group) is not recorded: a lane that never uses groups pays nothing for them.
+-- group (no group) is not recorded: a lane that never uses groups pays nothing for them. plpgsql, so
+-- that its statement is planned once per session (a SQL function's is planned at every call before
+-- PostgreSQL 18).
 CREATE OR REPLACE FUNCTION pglane.served(p_lane_id integer, p_group text, p_at timestamptz) RETURNS void
-LANGUAGE sql AS $$
+LANGUAGE plpgsql AS $$
+BEGIN
     INSERT INTO pglane.lane_groups AS g (lane_id, group_key, served_at) VALUES (p_lane_id, p_group, p_at)
     ON CONFLICT (lane_id, group_key) DO UPDATE SET served_at = excluded.served_at;
-$$;
+END $$;
 
 -- groups_waiting: how many groups of lane p_lane have a queued job (the shared group counts as one).
 -- The lane's greatest queued group, one probe of jobs_group_queue backward, says whether it has any

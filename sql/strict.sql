@@ -8,19 +8,24 @@
 -- worker of such an attempt may still be calling. `lease_ends` and `lost_attempt` name the lost
 -- attempt whose lease ends first. A strict lane's claim (takeover after_lease) counts this; the views
 -- explain a wait with it. Read-only; runs as its owner so that a producer's job_status may call it.
+-- plpgsql, not sql: a SQL function with SECURITY DEFINER and SET is never inlined, and PostgreSQL
+-- before 18 plans its query anew at every call (on 15 that nearly doubled a strict lane's claim,
+-- bench/README.md "The cost of each feature"); plpgsql keeps the plan for the session.
 CREATE OR REPLACE FUNCTION pglane.in_flight(p_lane text,
     OUT in_flight bigint, OUT lost_attempt bigint, OUT lease_ends timestamptz)
-LANGUAGE sql STABLE SECURITY DEFINER
+LANGUAGE plpgsql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pglane, pg_temp
 AS $$
+BEGIN
     SELECT count(*),
            (array_agg(a.id ORDER BY a.lease_expires_at) FILTER (WHERE a.status = 'lost'))[1],
            min(a.lease_expires_at) FILTER (WHERE a.status = 'lost')
+      INTO in_flight, lost_attempt, lease_ends
       FROM pglane.attempts a JOIN pglane.jobs j ON j.id = a.job_id
      WHERE j.lane = p_lane
        AND (a.status = 'running'
             OR (a.status = 'lost' AND a.lease_released_at IS NULL AND a.lease_expires_at > now()));
-$$;
+END $$;
 
 -- lease_admission: a strict lane (takeover after_lease): the calls possibly in flight (running
 -- attempts, and lost ones whose lease runs on) never exceed its slots. Counted under the counters row

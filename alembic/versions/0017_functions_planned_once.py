@@ -1,0 +1,33 @@
+"""Two functions on the claim's path are planned once per session, not at every call (#35 point 4).
+
+Revision ID: 0017
+Revises: 0016
+Create Date: 2026-12-06
+
+in_flight (a strict lane's admission, strict.sql) and served (a grouped job's start, groups.sql) were
+SQL-language functions that PostgreSQL never inlines (SECURITY DEFINER with SET; an INSERT), whose
+query PostgreSQL before 18 plans anew at every call: a strict lane's claim on PostgreSQL 15 cost 1.93x a
+plain one (bench/README.md "The cost of each feature"). Both are now plpgsql, which keeps the plan for
+the session. What they read, write and return is unchanged; so are their signatures and grants.
+
+Applies strict.sql and groups.sql; downgrade applies the text 0010 and 0012 installed
+(alembic/frozen/0010/, alembic/frozen/0012/).
+"""
+
+from pglane.schema import apply_sql
+
+revision = "0017"
+down_revision = "0016"
+branch_labels = None
+depends_on = None
+
+APPLIES = ("strict.sql", "groups.sql")
+
+
+def upgrade() -> None:
+    apply_sql(revision, APPLIES)
+
+
+def downgrade() -> None:
+    apply_sql("0010", ("strict.sql",))
+    apply_sql("0012", ("groups.sql",))
