@@ -65,9 +65,13 @@ def violations(lane: Lane, timeout: float | None) -> list[str]:
                            worker=hard_timeout(lane, timeout)).violations()
 
 
+STUCK = tracing.Stuck()  # the stuck attempts this process has written a span for (each once)
+
+
 def recover(session: Session | SlotSession, lane: str | None) -> None:
     """Mark lost the running attempts of ``lane`` (None: of every lane) whose worker is provably gone; log
-    how many, and (tracing on) write their ``lost`` spans: their workers died with their own."""
+    how many, and (tracing on) write their ``lost`` spans, their workers died with their own, and a
+    ``stuck`` span for each attempt past its lease whose worker is still connected."""
     row = session.execute(queries.RECOVER, (lane,))
     if row and row["recover"]:
         log.warning("recovered %s attempt(s) of %s whose worker was gone (marked lost)", row["recover"],
@@ -75,6 +79,9 @@ def recover(session: Session | SlotSession, lane: str | None) -> None:
         if tracing.active():
             found = session.execute(queries.LOST_AT, (row["at"],))
             tracing.lost(json.loads(found["lost"]) if found else [])
+    if tracing.active():
+        stuck = session.execute(queries.STUCK_TRACED, (lane,))
+        STUCK.found(json.loads(stuck["stuck"]) if stuck else [])
 
 
 class ServedLane:
@@ -87,6 +94,7 @@ class ServedLane:
         self.by_pattern = by_pattern  # served because its name matches --lanes-like: it may be retired
         self.retired = False  # the lane is gone from the database: its slot loops end (module doc)
         self.waits = Waits()  # the sessions waiting idle, which retire() interrupts
+        self.admissions = tracing.Admissions()  # what its claims were told while held back (traces only)
         self.settings = settings  # as last read (the process's start, each session's start, the lane's news)
         self.slots = slots  # how many slots of the lane the process takes (each a slot loop)
         self._timeout = timeout  # the worker's --timeout, if given: the hard timeout of every lane

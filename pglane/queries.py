@@ -21,6 +21,13 @@ LOST_AT: LiteralString = (
     " extract(epoch FROM a.finished_at), 'error', a.error, 'lane', j.lane, 'group_key', j.group_key,"
     " 'traceparent', j.traceparent)), '[]') AS lost"
     " FROM pglane.attempts a JOIN pglane.jobs j ON j.id = a.job_id WHERE a.status = 'lost' AND a.finished_at = %s")
+# The stuck attempts (of lane %s, or all), for their spans (pglane.tracing): past their lease, their worker connected.
+STUCK_TRACED: LiteralString = (
+    "SELECT coalesce(jsonb_agg(jsonb_build_object('attempt_id', s.attempt_id, 'job_id', s.job_id, 'attempt_number',"
+    " s.attempt_number, 'seq', a.seq, 'lease_ends', extract(epoch FROM s.lease_expires_at), 'worker', s.worker,"
+    " 'lane', s.lane, 'group_key', j.group_key, 'traceparent', j.traceparent)), '[]') AS stuck"
+    " FROM pglane.stuck_attempts(%s) s JOIN pglane.jobs j ON j.id = s.job_id"
+    " JOIN pglane.attempts a ON a.id = s.attempt_id")
 RELEASE_LEASE: LiteralString = "SELECT pglane.release_lease(%s)"
 RETRY: LiteralString = "SELECT pglane.retry(%s)"
 CANCEL: LiteralString = "SELECT pglane.cancel(%s)"

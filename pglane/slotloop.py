@@ -235,8 +235,9 @@ class SlotLoop:
         span both."""
         job = claim.job
         logs.JOB.set((job.id, job.attempt_id, tracing.trace_id(claim.traceparent)))
-        spans = tracing.Attempt(job.lane, job.id, job.attempt_id, job.attempt_number, job.seq,
-                                claim.traceparent, claim.queued_at) if tracing.active() else None
+        spans = tracing.Attempt(job.lane, job.id, job.attempt_id, job.attempt_number, job.seq, claim.traceparent,
+                                claim.queued_at, held=self.lane.admissions.explaining(job.id, claim.queued_at)
+                                ) if tracing.active() else None
         try:
             outcome = await self._call(session, claim)
         except Hung:
@@ -326,6 +327,9 @@ class SlotLoop:
             if self.lane.metrics is not None and claim.queued_at is not None:
                 self.lane.metrics.wait.observe(max(0.0, time.time() - claim.queued_at.timestamp()))
         self._pacing = Pacing.from_row(row, claim is not None, now)
+        if tracing.active():  # held back: an event of the next jobs' wait spans
+            self.lane.admissions.heard(self._pacing.reason, (row or {}).get("wait_seconds"),
+                                       claim.job.id if claim is not None else None)
         return claim, row
 
     def _store_and_claim(self, session: SlotSession, claim: Claim, outcome: Outcome) -> Claim | None:

@@ -7,12 +7,17 @@ trace holds, one per job attempt:
 
     send LANE      PRODUCER  the enqueue (pglane.enqueue and its aio twin): its context is the job's
                              ``traceparent``, which a plain INSERT from any language may also set
-    wait LANE      INTERNAL  queued_at -> the claim (the lane's queue, its admission: pause, rate, lease)
+    wait LANE      INTERNAL  queued_at -> the claim (the lane's queue, its admission: pause, rate, lease);
+                             an event for each time the lane's claims were held back meanwhile
+                             (``pglane.paused``, ``pglane.rate_limited``, ``pglane.lease_wait``)
     process LANE   CONSUMER  the handler's call, current while it runs (a handler's own spans are its
                              children); ``pglane.outcome`` done, failed, timed_out or deferred
     settle LANE    INTERNAL  the outcome's write (on the fast path fused with the next claim)
     lost LANE      INTERNAL  written by the worker whose recovery marked the attempt lost (the worker
                              that made the call died with its spans), from its start to the recovery
+    stuck LANE     INTERNAL  written once by a worker whose recovery found the attempt stuck (past its
+                             lease, its worker still connected: a frozen process), from the lease's end
+                             to then, with what the operator may do
 
 The four of an attempt are children of the producer's ``send`` span (a job with no traceparent starts a
 trace of its own). Attributes follow OpenTelemetry's messaging conventions where they name the thing
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -49,7 +55,6 @@ def active() -> bool:
     return ENABLED and not isinstance(trace.get_tracer_provider(), ProxyTracerProvider)
 
 SYSTEM = "pglane"
-
 
 def trace_id(traceparent: str | None) -> str | None:
     """The trace id a W3C traceparent names (32 hex), whether or not OpenTelemetry is installed."""
@@ -112,12 +117,52 @@ def _ns(moment: datetime) -> int:
     return int(moment.timestamp() * 1e9)
 
 
+# The events of a wait span: what each reason a claim is held back for is called there (sql/claim.sql).
+HELD_EVENTS = {"paused": "pglane.paused", "rate": "pglane.rate_limited", "lease": "pglane.lease_wait"}
+
+
+@dataclass(frozen=True)
+class Held:
+    """A claim of the lane was held back: when (epoch ns), why (``HELD_EVENTS``' keys), for how long at most
+    (seconds; None: a pause until resumed); ``job``: the job that claim took, if any (a rate-limited lane's
+    claim says when the slot's next start may come: it concerns the jobs after that one)."""
+
+    at: int
+    reason: str
+    wait_seconds: float | None
+    job: int | None
+
+
+class Admissions:
+    """What the claims of one lane in this process were told while they could start no job (a pause, the
+    rate limit's turn, a strict lane's lease), kept for the ``wait`` spans of the jobs claimed after: one
+    entry each time the answer changes (a hundred claims told "paused" are one pause), the last KEEP."""
+
+    KEEP = 16
+
+    def __init__(self) -> None:
+        self._said: deque[Held] = deque(maxlen=self.KEEP)
+        self._last: str | None = None
+
+    def heard(self, reason: str | None, wait_seconds: float | None, job: int | None) -> None:
+        """A claim answered, having taken ``job`` (None: none), held back for ``reason`` (None: not held back)."""
+        if reason != self._last and reason in HELD_EVENTS:
+            self._said.append(Held(time.time_ns(), reason, wait_seconds, job))
+        self._last = reason
+
+    def explaining(self, job: int, queued_at: datetime | None) -> list[Held]:
+        """What was said since ``job`` was queued, but with its own claim: the part of its wait it explains."""
+        start = _ns(queued_at) if queued_at is not None else 0
+        return [h for h in self._said if h.at >= start and h.job != job]
+
+
 class Attempt:
     """The spans of one attempt in the worker that claimed it: ``wait`` (ended at once), ``process``
     (current in the slot's task while the handler runs), ``settle``. Made only when ``active()``."""
 
     def __init__(self, lane: str, job_id: int, attempt_id: int, attempt_number: int, seq: int,
-                 traceparent: str | None, queued_at: datetime | None, group: str | None = None) -> None:
+                 traceparent: str | None, queued_at: datetime | None, *, group: str | None = None,
+                 held: list[Held] | None = None) -> None:
         self.lane = lane
         parent = _parent(traceparent)
         now = time.time_ns()
@@ -125,8 +170,13 @@ class Attempt:
                "pglane.attempt.number": attempt_number, "pglane.seq": seq, "pglane.group": group}
         tracer = _TRACER
         if queued_at is not None:
-            tracer.start_span(f"wait {lane}", context=parent, start_time=min(_ns(queued_at), now),
-                              attributes=_attributes(lane, "receive", **ids)).end(end_time=now)
+            wait = tracer.start_span(f"wait {lane}", context=parent, start_time=min(_ns(queued_at), now),
+                                     attributes=_attributes(lane, "receive", **ids))
+            for h in held or ():
+                wait.add_event(HELD_EVENTS[h.reason], {"pglane.wait_reason": h.reason}
+                               | ({} if h.wait_seconds is None else {"pglane.wait_seconds": h.wait_seconds}),
+                               timestamp=min(h.at, now))
+            wait.end(end_time=now)
         self.span = tracer.start_span(f"process {lane}", context=parent, kind=SpanKind.CONSUMER, start_time=now,
                                       attributes=_attributes(lane, "process", **ids))
         self._token: Any = otel_context.attach(trace.set_span_in_context(self.span))
@@ -161,13 +211,37 @@ class Attempt:
 def lost(rows: list[dict[str, Any]]) -> None:
     """A ``lost LANE`` span for each attempt this worker's recovery just marked lost (queries.LOST_AT's
     objects; times in epoch seconds), in its job's trace, from the attempt's start to its recovery."""
-    tracer = _TRACER
     for row in rows:
-        ids = {"messaging.message.id": str(row["job_id"]), "pglane.attempt.id": row["attempt_id"],
-               "pglane.attempt.number": row["attempt_number"], "pglane.seq": row["seq"],
-               "pglane.group": row["group_key"], "pglane.outcome": "lost"}
-        span = tracer.start_span(f"lost {row['lane']}", context=_parent(row["traceparent"]),
-                                 start_time=int(row["started"] * 1e9),
-                                 attributes=_attributes(row["lane"], "process", **ids))
-        span.set_status(Status(StatusCode.ERROR, (row["error"] or "lost")[:200]))
-        span.end(end_time=int(row["finished"] * 1e9))
+        _found(row, "lost", row["started"], row["finished"], row["error"] or "lost")
+
+
+class Stuck:
+    """The stuck attempts this process has written a ``stuck LANE`` span for: each once, however many of
+    its recoveries see it stuck (the last KEEP remembered)."""
+
+    KEEP = 1024
+
+    def __init__(self) -> None:
+        self._told: deque[int] = deque(maxlen=self.KEEP)
+
+    def found(self, rows: list[dict[str, Any]]) -> None:
+        """A span for each attempt of queries.STUCK_TRACED's objects not written yet: from its lease's end
+        to now (this recovery), with what the operator may do."""
+        for row in rows:
+            if row["attempt_id"] in self._told:
+                continue
+            self._told.append(row["attempt_id"])
+            _found(row, "stuck", row["lease_ends"], time.time(),
+                   f"stuck: past its lease and its worker ({row['worker']}) still connected; it is never given "
+                   f"to another worker. End it with: pglane recover {row['lane']} --terminate-stuck")
+
+
+def _found(row: dict[str, Any], what: str, start: float, end: float, why: str) -> None:
+    """A span another worker's recovery writes into an attempt's trace (``what``: lost, stuck)."""
+    ids = {"messaging.message.id": str(row["job_id"]), "pglane.attempt.id": row["attempt_id"],
+           "pglane.attempt.number": row["attempt_number"], "pglane.seq": row["seq"],
+           "pglane.group": row["group_key"], "pglane.outcome" if what == "lost" else "pglane.state": what}
+    span = _TRACER.start_span(f"{what} {row['lane']}", context=_parent(row["traceparent"]),
+                              start_time=int(start * 1e9), attributes=_attributes(row["lane"], "process", **ids))
+    span.set_status(Status(StatusCode.ERROR, why[:200]))
+    span.end(end_time=int(max(start, end) * 1e9))

@@ -1,14 +1,15 @@
 """Traces from the producer to the handler, and the worker's JSON logs (#36): the OpenTelemetry SDK's
 in-memory exporter in this process, a real worker (pglane.Worker on its own event loop here, or a worker
 process), a real server. The producer's span and the attempt's spans share one trace, for the Python API
-and for a plain INSERT carrying a traceparent; a failed and a lost attempt carry their outcome; the JSON
-log lines parse and carry the same ids."""
+and for a plain INSERT carrying a traceparent; a failed and a lost attempt carry their outcome, a stuck
+one its span, a wait its pause and rate-limit turns; the JSON log lines parse and carry the same ids."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import signal
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -42,10 +43,11 @@ def spans() -> Iterator[InMemorySpanExporter]:
 
 
 @contextlib.contextmanager
-def serving(dsn: str, lane: str, handler: Callable[[pglane.Job], Any]) -> Iterator[Worker]:
+def serving(dsn: str, lane: str, handler: Callable[[pglane.Job], Any], recover_interval: float = 3600
+            ) -> Iterator[Worker]:
     """A real worker for ``lane`` on an event loop of its own in this process, so that its spans reach the
     in-memory exporter; stopped (its calls finished) on leaving."""
-    worker = Worker(dsn, lane, handler, WorkerOptions(poll_interval=30, recover_interval=3600))
+    worker = Worker(dsn, lane, handler, WorkerOptions(poll_interval=30, recover_interval=recover_interval))
     loops: list[asyncio.AbstractEventLoop] = []
 
     async def serve() -> None:
@@ -112,6 +114,7 @@ def test_the_producers_span_and_the_attempts_spans_share_one_trace(
     assert process.attributes["pglane.outcome"] == "done"
     assert wait.start_time is not None and process.start_time is not None and wait.end_time is not None
     assert wait.start_time <= wait.end_time <= process.start_time  # queued -> claimed -> called
+    assert not wait.events and not process.events  # nothing held it back; its call ended within its lease
 
 
 def test_the_async_producer_records_its_trace_too(conn: Any, dsn: str, spans: InMemorySpanExporter) -> None:
@@ -212,3 +215,62 @@ def test_the_json_log_lines_parse_and_carry_the_lane_job_attempt_and_trace(
     assert "boom" in entry["message"]
     holding = next(json.loads(line) for line in Workers.log(proc).splitlines() if "holding slot" in line)
     assert holding["lane"] == "logged" and "job" not in holding  # a slot's line between jobs: no job
+
+
+def claim_answered(conn: Any, lane: str) -> bool:
+    """The worker of ``lane`` has sent its claim and waits (its session idle after claim_or_wait)."""
+    return bool(conn.execute("SELECT 1 FROM pg_stat_activity WHERE state = 'idle' AND query LIKE %s",
+                             ("%claim_or_wait%",)).fetchall())
+
+
+def test_a_pause_and_the_rate_limits_turn_are_events_of_the_jobs_wait(
+    conn: Any, dsn: str, spans: InMemorySpanExporter
+) -> None:
+    pglane.create_lane(conn, "held", job_timeout=20)
+    pglane.pause_lane(conn, "held", reason="the provider said 429")
+    job = pglane.enqueue(conn, "held", {})
+    with serving(dsn, "held", lambda job: {}):
+        wait_until(lambda: claim_answered(conn, "held"), 20, "the worker's claim of the paused lane")
+        pglane.resume_lane(conn, "held")
+        wait_until(done(conn, job), 20, "the job, after the resume")
+        wait = one(spans, "wait held")
+    assert [e.name for e in wait.events] == ["pglane.paused"]
+    paused = wait.events[0]
+    assert paused.attributes is not None and paused.attributes["pglane.wait_reason"] == "paused"
+    assert "pglane.wait_seconds" not in paused.attributes  # paused until resumed: no end was known
+    assert wait.start_time is not None and wait.end_time is not None
+    assert wait.start_time <= paused.timestamp <= wait.end_time
+
+    spans.clear()
+    pglane.create_lane(conn, "paced", job_timeout=20, rate="1/2s")
+    first, second = pglane.enqueue(conn, "paced", {}), pglane.enqueue(conn, "paced", {})
+    with serving(dsn, "paced", lambda job: {}):
+        wait_until(done(conn, second), 20, "the second job, a rate turn later")
+        waits = {int(str(s.attributes["messaging.message.id"])): s for s in named(spans, "wait paced") if s.attributes}
+    assert set(waits) == {first, second}
+    assert not waits[first].events
+    turn = waits[second].events
+    assert [e.name for e in turn] == ["pglane.rate_limited"]
+    assert turn[0].attributes is not None and 0 < float(str(turn[0].attributes["pglane.wait_seconds"])) <= 2
+
+
+def test_a_stuck_attempt_is_written_into_its_trace_once_by_a_worker_that_recovers_beside_it(
+    conn: Any, dsn: str, workers: Workers, ledger: Ledger, spans: InMemorySpanExporter
+) -> None:
+    pglane.create_lane(conn, "frozen", slots=2, job_timeout=1, lease_timeout=2)
+    job = conn.execute("INSERT INTO pglane.jobs (lane, payload, traceparent) VALUES ('frozen', '{\"sleep\": 60}', %s)"
+                       " RETURNING id", (TRACEPARENT,)).fetchone()["id"]
+    victim = workers.start("frozen")  # a worker process, frozen mid-call: its session lives on past the lease
+    wait_until(lambda: ledger.calls() == [job], 30, "the call to start")
+    victim.send_signal(signal.SIGSTOP)
+    with serving(dsn, "frozen", lambda job: {}, recover_interval=0.2):  # the lane's other slot
+        stuck = one(spans, "stuck frozen")
+        assert pglane.job_status(conn, job)["status"] == "running"  # reported, never handed to another worker
+    assert len(named(spans, "stuck frozen")) == 1  # once, however many recoveries saw it
+    attempt = pglane.attempts(conn, job)[0]
+    assert stuck.start_time == int(attempt["lease_expires_at"].timestamp() * 1e9)
+    assert stuck.attributes is not None and stuck.attributes["pglane.state"] == "stuck"
+    assert stuck.attributes["pglane.attempt.id"] == attempt["id"]
+    assert f"{stuck.context.trace_id:032x}" == TRACE_ID
+    assert stuck.status.description is not None
+    assert "pglane recover frozen --terminate-stuck" in stuck.status.description
