@@ -1,4 +1,4 @@
-"""Two functions on the claim's path are planned once per session, not at every call (#35 point 4).
+"""Three functions on the claim's path are planned once per session or inlined, not planned at every call (#35).
 
 Revision ID: 0017
 Revises: 0016
@@ -8,9 +8,12 @@ in_flight (a strict lane's admission, strict.sql) and served (a grouped job's st
 SQL-language functions that PostgreSQL never inlines (SECURITY DEFINER with SET; an INSERT), whose
 query PostgreSQL before 18 plans anew at every call: a strict lane's claim on PostgreSQL 15 cost 1.93x a
 plain one (bench/README.md "The cost of each feature"). Both are now plpgsql, which keeps the plan for
-the session. What they read, write and return is unchanged; so are their signatures and grants.
+the session. mark_time (the claim's record of the session's identity, sessions.sql) was declared
+IMMUTABLE over a STABLE body (timestamptz + interval), which PostgreSQL never inlines: planned at every
+claim before 18. It is now STABLE, and inlined. What they read, write and return is unchanged; so are
+their signatures and grants.
 
-Applies strict.sql and groups.sql; downgrade applies the text 0010 and 0012 installed
+Applies strict.sql, groups.sql and sessions.sql; downgrade applies the text 0010 and 0012 installed
 (alembic/frozen/0010/, alembic/frozen/0012/).
 """
 
@@ -21,7 +24,7 @@ down_revision = "0016"
 branch_labels = None
 depends_on = None
 
-APPLIES = ("strict.sql", "groups.sql")
+APPLIES = ("strict.sql", "groups.sql", "sessions.sql")
 
 
 def upgrade() -> None:
@@ -29,5 +32,5 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    apply_sql("0010", ("strict.sql",))
+    apply_sql("0010", ("strict.sql", "sessions.sql"))
     apply_sql("0012", ("groups.sql",))
