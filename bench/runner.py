@@ -199,8 +199,8 @@ SCENARIOS: dict[str, Scenario] = {  # the parts of a server's run first, in the 
     "lanes": Scenario("1,000 one-slot lanes in one process: its connections, idle CPU, wake against a one-lane"
                       " worker; 100 busy lanes in one process against 100 processes and floor_one_commit",
                       module="lanes"),
-    "otel": Scenario("a worker's throughput with the OpenTelemetry API installed and no exporter, against"
-                     " without it (#36)", module="otel"),
+    "otel": Scenario("a worker's throughput and CPU per job without the OpenTelemetry API, with it and no SDK,"
+                     " and with an SDK exporting every span (#36)", module="otel"),
 }
 PER_SERVER = tuple(name for name, s in SCENARIOS.items() if s.measure is not None)
 
