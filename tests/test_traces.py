@@ -217,10 +217,10 @@ def test_the_json_log_lines_parse_and_carry_the_lane_job_attempt_and_trace(
     assert holding["lane"] == "logged" and "job" not in holding  # a slot's line between jobs: no job
 
 
-def claim_answered(conn: Any, lane: str) -> bool:
-    """The worker of ``lane`` has sent its claim and waits (its session idle after claim_or_wait)."""
-    return bool(conn.execute("SELECT 1 FROM pg_stat_activity WHERE state = 'idle' AND query LIKE %s",
-                             ("%claim_or_wait%",)).fetchall())
+def claim_answered(conn: Any) -> bool:
+    """This test's worker has sent its claim and waits (its session idle after claim_or_wait)."""
+    return bool(conn.execute("SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND state = 'idle'"
+                             " AND query LIKE %s", ("%claim_or_wait%",)).fetchall())
 
 
 def test_a_pause_and_the_rate_limits_turn_are_events_of_the_jobs_wait(
@@ -230,7 +230,7 @@ def test_a_pause_and_the_rate_limits_turn_are_events_of_the_jobs_wait(
     pglane.pause_lane(conn, "held", reason="the provider said 429")
     job = pglane.enqueue(conn, "held", {})
     with serving(dsn, "held", lambda job: {}):
-        wait_until(lambda: claim_answered(conn, "held"), 20, "the worker's claim of the paused lane")
+        wait_until(lambda: claim_answered(conn), 20, "the worker's claim of the paused lane")
         pglane.resume_lane(conn, "held")
         wait_until(done(conn, job), 20, "the job, after the resume")
         wait = one(spans, "wait held")
