@@ -56,6 +56,7 @@ def active() -> bool:
 
 SYSTEM = "pglane"
 
+
 def trace_id(traceparent: str | None) -> str | None:
     """The trace id a W3C traceparent names (32 hex), whether or not OpenTelemetry is installed."""
     return traceparent[3:35] if traceparent else None
