@@ -14,6 +14,9 @@ client's:
   ``queries.COMPLETE_AND_CLAIM``): pglane's work again, through a statement instead of a plpgsql
   expression; the two differ by that form and by the rounds' noise;
 - floor_one_commit, floor_two_commits, floor_seq: bench.floors' statements on its bare table;
+- floor_rows: bench.floors' floor_claim_rows on its own bare tables: the rows pglane's contract
+  writes per job (the job done with its result, its attempt done, the next job claimed with the
+  lane's seq, its attempt inserted) and nothing else, one commit per job;
 - procrastinate: its worker's fetch and finish statements (``procrastinate_fetch_job_v2`` and
   ``procrastinate_finish_job_v1``: two transactions per job);
 - pgqueuer: its QueueManager's dequeue (entrypoint limit 1, batch 1) and its completion (``log_jobs``,
@@ -213,12 +216,16 @@ def _contract(dsn: str, n: int) -> None:
         conn.execute(procedure(conn, first, each, end="    PERFORM pg_advisory_unlock_all();"))
 
 
-def _floor(each: Callable[[], list[Step]]) -> Callable[[str, int], None]:
+def _floor(each: Callable[[], list[Step]], preload: Callable[[str, int], None] = floors.preload,
+           kept: Sequence[str] = ("id",)) -> Callable[[str, int], None]:
+    """A floor of bench.floors: its schema, ``n`` jobs queued by ``preload``, and a procedure whose
+    first step finds the columns ``kept`` of bench_row NULL (no previous job)."""
     def setup(dsn: str, n: int) -> None:
         floors.setup(dsn)
-        floors.preload(dsn, n)
+        preload(dsn, n)
+        nulls = ", ".join(f"NULL::bigint AS {column}" for column in kept)
         with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(procedure(conn, [], each(), init="    SELECT NULL::bigint AS id INTO bench_row;"))
+            conn.execute(procedure(conn, [], each(), init=f"    SELECT {nulls} INTO bench_row;"))
     return setup
 
 
@@ -262,6 +269,7 @@ def consumer(name: str) -> Consumer:
 def consumers() -> list[Consumer]:
     floor_tables = _vacuum("floor_jobs", "floor_counters")
     prev = {"prev": "bench_row.id"}
+    rows = {"prev": "bench_row.id", "prev_attempt": "bench_row.attempt_id", "result": "'null'", "worker": "'floor'"}
     return [
         Consumer("pglane", _at("head"), callgrind.Drain(f"CALL public.callgrind_drain('{LANE}', {{}});")),
         Consumer("floor_contract", _contract, callgrind.Drain(COST_DRAIN)),
@@ -272,6 +280,9 @@ def consumers() -> list[Consumer]:
                  callgrind.Drain(COST_DRAIN, floor_tables)),
         Consumer("floor_seq", _floor(lambda: [Step(floors.COMPLETE_AND_CLAIM_SEQ, prev, keeps="id")]),
                  callgrind.Drain(COST_DRAIN, floor_tables)),
+        Consumer("floor_rows", _floor(lambda: [Step(floors.COMPLETE_AND_CLAIM_ROWS, rows, keeps="id")],
+                                      floors.preload_rows, ("id", "attempt_id")),
+                 callgrind.Drain(COST_DRAIN, _vacuum("floor_rows_jobs", "floor_rows_attempts", "floor_rows_counters"))),
         Consumer("procrastinate", _procrastinate,
                  callgrind.Drain(COST_DRAIN, _vacuum("procrastinate_jobs", "procrastinate_events"))),
         Consumer("pgqueuer", _pgqueuer, callgrind.Drain(COST_DRAIN, _vacuum("pgqueuer", "pgqueuer_log"))),

@@ -3,6 +3,12 @@
 floor_two_commits: claim job N (commit), complete it (commit): two round trips, two commits per job.
 floor_one_commit:  one statement completes job N and claims job N+1: one round trip, one commit.
   Both run on a bare table (bench_floor.floor_jobs) with one partial queue index.
+floor_seq:         floor_one_commit plus the lane's gapless seq (a counters row bumped under its lock).
+floor_rows:        floor_seq plus every other row pglane's contract writes per job, and nothing else
+  (bench.costs counts it): job N done with its result and its attempt row done, job N+1's attempt
+  row inserted (with the attempts' primary key, their unique (job_id, attempt_number), their
+  partial index of running attempts and their foreign key to the job), in bare tables
+  (floor_rows_jobs, floor_rows_attempts, floor_rows_counters) without CHECKs, triggers or guards.
 floor_contract:    pglane's own SQL on pglane's schema, no worker: take the slot lock, pglane.claim once,
   then pglane.complete_and_claim per job. What the worker could reach if Python cost nothing.
 floor_listen:      a bare LISTEN consumer process (``python -m bench.floors listen DSN``): wait for a
@@ -64,6 +70,72 @@ BEGIN
     RETURN QUERY UPDATE floor_jobs j SET status = 'running', started_at = now(), seq = v_seq WHERE j.id = v_id
                  RETURNING j.id, j.payload;
 END $$;
+-- floor_rows: the rows pglane's contract writes per job and nothing else (no CHECK, no trigger, no
+-- guard, no generated column): the jobs' columns the contract names, the attempts' with the indexes
+-- it needs (primary key, one attempt number per job, the running attempts) and their foreign key to
+-- the job; the lane's gapless seq in a counters row of its own, as floor_seq's. Both tables at
+-- pglane's fillfactor 90, and the queue index keyed, as pglane's is (on in_queue), on what the claim
+-- changes and the completion does not (here started_at, set by the claim): a completion changes no
+-- indexed column and may be a HOT update. Keyed on status, as floor_seq's, every completion would
+-- write an index entry that pglane's does not (bench README, #35).
+CREATE TABLE floor_rows_jobs (
+    id          bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    payload     jsonb       NOT NULL DEFAULT '{}',
+    status      text        NOT NULL DEFAULT 'queued',
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    started_at  timestamptz,
+    finished_at timestamptz,
+    attempts    integer     NOT NULL DEFAULT 0,
+    result      jsonb,
+    seq         bigint
+) WITH (fillfactor = 90);
+CREATE INDEX floor_rows_jobs_queue ON floor_rows_jobs (id) WHERE started_at IS NULL;
+CREATE TABLE floor_rows_attempts (
+    id               bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    job_id           bigint      NOT NULL REFERENCES floor_rows_jobs (id),
+    attempt_number   integer     NOT NULL,
+    status           text        NOT NULL DEFAULT 'running',
+    worker           text        NOT NULL,
+    backend_pid      integer     NOT NULL,
+    started_at       timestamptz NOT NULL DEFAULT now(),
+    finished_at      timestamptz,
+    lease_expires_at timestamptz NOT NULL,
+    seq              bigint      NOT NULL,
+    token            uuid        NOT NULL,
+    UNIQUE (job_id, attempt_number)
+) WITH (fillfactor = 90);
+CREATE INDEX floor_rows_attempts_running ON floor_rows_attempts (job_id) WHERE status = 'running';
+CREATE TABLE floor_rows_counters (lane integer PRIMARY KEY, last_seq bigint NOT NULL DEFAULT 0);
+INSERT INTO floor_rows_counters (lane) VALUES (1);
+CREATE FUNCTION floor_claim_rows(p_prev bigint, p_prev_attempt bigint, p_result jsonb, p_worker text)
+RETURNS TABLE (id bigint, attempt_id bigint, payload jsonb, token uuid) LANGUAGE plpgsql AS $$
+DECLARE
+    v_id      bigint;
+    v_seq     bigint;
+    v_number  integer;
+    v_payload jsonb;
+    v_attempt bigint;
+    v_token   uuid := gen_random_uuid();
+BEGIN
+    IF p_prev IS NOT NULL THEN
+        UPDATE floor_rows_jobs j SET status = 'done', finished_at = now(), result = p_result WHERE j.id = p_prev;
+        UPDATE floor_rows_attempts a SET status = 'done', finished_at = now() WHERE a.id = p_prev_attempt;
+    END IF;
+    SELECT j.id INTO v_id FROM floor_rows_jobs j WHERE j.started_at IS NULL ORDER BY j.id LIMIT 1
+        FOR UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    UPDATE floor_rows_counters c SET last_seq = c.last_seq + 1 WHERE c.lane = 1 RETURNING c.last_seq INTO v_seq;
+    UPDATE floor_rows_jobs j SET status = 'running', started_at = now(), attempts = j.attempts + 1, seq = v_seq
+        WHERE j.id = v_id RETURNING j.attempts, j.payload INTO v_number, v_payload;
+    INSERT INTO floor_rows_attempts AS a (job_id, attempt_number, status, worker, backend_pid, started_at,
+                                          lease_expires_at, seq, token)
+        VALUES (v_id, v_number, 'running', p_worker, pg_backend_pid(), now(), now() + interval '60 seconds',
+                v_seq, v_token)
+        RETURNING a.id INTO v_attempt;
+    RETURN QUERY SELECT v_id, v_attempt, v_payload, v_token;
+END $$;
 -- floor_one_commit's two statements in a plpgsql function: what plpgsql itself costs (bench.lab.experiments)
 CREATE FUNCTION floor_claim_plpgsql(p_prev bigint) RETURNS TABLE (id bigint, payload jsonb) LANGUAGE plpgsql AS $$
 DECLARE
@@ -98,6 +170,9 @@ COMPLETE_AND_CLAIM = f"WITH done AS ({COMPLETE}) {CLAIM}"
 # function as pglane's claim is (one statement of data-modifying CTEs deadlocked between two claimers).
 COMPLETE_AND_CLAIM_SEQ = "SELECT * FROM floor_claim_seq(%(prev)s)"
 COMPLETE_AND_CLAIM_PLPGSQL = "SELECT * FROM floor_claim_plpgsql(%(prev)s)"
+# floor_seq plus the contract's other rows: job N's result and attempt row done, job N+1's attempt
+# row inserted (its id and token returned, as pglane's claim returns them); one commit per job
+COMPLETE_AND_CLAIM_ROWS = "SELECT * FROM floor_claim_rows(%(prev)s, %(prev_attempt)s, %(result)s, %(worker)s)"
 MAX_SECONDS = 300.0
 
 
@@ -114,6 +189,14 @@ def preload(dsn: str, n: int) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("TRUNCATE floor_jobs")
         conn.execute("INSERT INTO floor_jobs (payload) SELECT jsonb_build_object('n', g)"
+                     " FROM generate_series(0, %s - 1) g", (n,))
+
+
+def preload_rows(dsn: str, n: int) -> None:
+    """floor_rows' tables emptied and n jobs queued."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("TRUNCATE floor_rows_attempts, floor_rows_jobs")
+        conn.execute("INSERT INTO floor_rows_jobs (payload) SELECT jsonb_build_object('n', g)"
                      " FROM generate_series(0, %s - 1) g", (n,))
 
 

@@ -47,6 +47,21 @@ def test_the_floors_statements_drain_their_jobs_one_transaction_each(dsn: str) -
     assert body.count("COMMIT;") == 2
 
 
+def test_floor_rows_writes_the_contracts_rows_per_job(dsn: str) -> None:
+    _drain(dsn, "floor_rows", 30, 10)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        jobs: dict[str, int] = dict(conn.execute("SELECT status, count(*) FROM floor_rows_jobs"
+                                                 " GROUP BY status").fetchall())
+        attempts: dict[str, int] = dict(conn.execute("SELECT status, count(*) FROM floor_rows_attempts"
+                                                     " GROUP BY status").fetchall())
+        seqs = conn.execute("SELECT array_agg(j.seq ORDER BY j.seq) = array_agg(a.seq ORDER BY a.seq)"
+                            " AND array_agg(j.seq ORDER BY j.seq) = array(SELECT generate_series(1, 10)::bigint)"
+                            " FROM floor_rows_jobs j JOIN floor_rows_attempts a ON a.job_id = j.id").fetchone()
+    # 10 claims: the first 9 completed by the next claim's statement, the last left running
+    assert jobs == {"done": 9, "running": 1, "queued": 20} and attempts == {"done": 9, "running": 1}
+    assert seqs == (True,)
+
+
 def test_the_peers_own_statements_drain_their_jobs(dsn: str) -> None:
     pytest.importorskip("procrastinate")
     pytest.importorskip("pgqueuer")
