@@ -52,13 +52,14 @@ GRANT INSERT (lane, payload, idempotency_key, run_after, cost, group_key, priori
 GRANT SELECT (lane, idempotency_key) ON pglane.jobs TO pglane_producer;
 GRANT SELECT ON pglane.job_status TO pglane_producer;
 
--- pglane_worker: claim, complete, fail, defer (a handler's RetryLater), recover; read the lanes, the jobs and their attempts (the
--- worker's queue gauges count running attempts), every column of attempts but token: the secret
--- claim() tells only the claiming session, which complete() and fail() from elsewhere need.
+-- pglane_worker: claim, complete, fail, defer (a handler's RetryLater), recover, and list the stuck
+-- attempts (a traced worker's recovery writes their spans: pglane.tracing); read the lanes, the jobs and
+-- their attempts (the worker's queue gauges count running attempts), every column of attempts but token:
+-- the secret claim() tells only the claiming session, which complete() and fail() from elsewhere need.
 GRANT EXECUTE ON FUNCTION pglane.claim(text, text), pglane.claim_or_wait(text, text),
                           pglane.complete(bigint, jsonb, uuid), pglane.fail(bigint, text, boolean, uuid),
                           pglane.complete_and_claim(bigint, jsonb, text, text, uuid), pglane.recover(text),
-                          pglane.defer(bigint, interval, text, uuid)
+                          pglane.defer(bigint, interval, text, uuid), pglane.stuck_attempts(text)
     TO pglane_worker;
 GRANT SELECT ON pglane.lanes, pglane.jobs TO pglane_worker;
 GRANT SELECT (lane_id, paused_until) ON pglane.lane_counters TO pglane_worker;  -- the pause gauge (metrics)

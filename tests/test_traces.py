@@ -20,6 +20,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from psycopg.conninfo import make_conninfo
 
 import pglane
 import pglane.aio
@@ -263,7 +264,11 @@ def test_a_stuck_attempt_is_written_into_its_trace_once_by_a_worker_that_recover
     victim = workers.start("frozen")  # a worker process, frozen mid-call: its session lives on past the lease
     wait_until(lambda: ledger.calls() == [job], 30, "the call to start")
     victim.send_signal(signal.SIGSTOP)
-    with serving(dsn, "frozen", lambda job: {}, recover_interval=0.2):  # the lane's other slot
+    # The lane's other slot, served as deployed: a login that is only a pglane_worker.
+    conn.execute("DO $$ BEGIN CREATE ROLE pglane_traced_worker LOGIN; EXCEPTION WHEN duplicate_object THEN NULL;"
+                 " END $$")
+    conn.execute("GRANT pglane_worker TO pglane_traced_worker")
+    with serving(make_conninfo(dsn, user="pglane_traced_worker"), "frozen", lambda job: {}, recover_interval=0.2):
         stuck = one(spans, "stuck frozen")
         assert pglane.job_status(conn, job)["status"] == "running"  # reported, never handed to another worker
     assert len(named(spans, "stuck frozen")) == 1  # once, however many recoveries saw it

@@ -1,4 +1,4 @@
-"""Three functions on the claim's path are planned once per session or inlined, not planned at every call (#35).
+"""Three functions on the claim's path planned once per session or inlined (#35); workers may list stuck attempts (#36).
 
 Revision ID: 0017
 Revises: 0016
@@ -13,8 +13,11 @@ IMMUTABLE over a STABLE body (timestamptz + interval), which PostgreSQL never in
 claim before 18. It is now STABLE, and inlined. What they read, write and return is unchanged; so are
 their signatures and grants.
 
-Applies strict.sql, groups.sql and sessions.sql; downgrade applies the text 0010 and 0012 installed
-(alembic/frozen/0010/, alembic/frozen/0012/).
+pglane_worker may now execute stuck_attempts(): a traced worker's recovery writes a span for each stuck
+attempt (pglane.tracing). It shows nothing a worker cannot read already (attempts, jobs).
+
+Applies strict.sql, groups.sql, sessions.sql and roles.sql; downgrade applies the text 0010, 0012 and 0016
+installed (alembic/frozen/0010/, 0012/, 0016/; roles.sql revokes every grant before it grants).
 """
 
 from pglane.schema import apply_sql
@@ -24,7 +27,7 @@ down_revision = "0016"
 branch_labels = None
 depends_on = None
 
-APPLIES = ("strict.sql", "groups.sql", "sessions.sql")
+APPLIES = ("strict.sql", "groups.sql", "sessions.sql", "roles.sql")
 
 
 def upgrade() -> None:
@@ -34,3 +37,4 @@ def upgrade() -> None:
 def downgrade() -> None:
     apply_sql("0010", ("strict.sql", "sessions.sql"))
     apply_sql("0012", ("groups.sql",))
+    apply_sql("0016", ("roles.sql",))
