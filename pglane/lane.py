@@ -20,11 +20,13 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, LiteralString
+
+import psycopg
 
 from . import queries, timing, tracing
 from .call import Caller, Watchdog
-from .errors import UnknownLane
+from .errors import UnknownLane, first_line
 from .handler import Handler, Runner
 from .lifetime import Recovery, Waits
 from .metrics import LaneMetrics
@@ -77,11 +79,24 @@ def recover(session: Session | SlotSession, lane: str | None) -> None:
         log.warning("recovered %s attempt(s) of %s whose worker was gone (marked lost)", row["recover"],
                     f"lane {lane}" if lane else "the lanes")
         if tracing.active():
-            found = session.execute(queries.LOST_AT, (row["at"],))
-            tracing.lost(json.loads(found["lost"]) if found else [])
+            tracing.lost(_traced(session, queries.LOST_AT, (row["at"],), "lost"))
     if tracing.active():
-        stuck = session.execute(queries.STUCK_TRACED, (lane,))
-        STUCK.found(json.loads(stuck["stuck"]) if stuck else [])
+        STUCK.found(_traced(session, queries.STUCK_TRACED, (lane,), "stuck"))
+
+
+def _traced(session: Session | SlotSession, query: LiteralString, params: tuple[Any, ...], column: str
+            ) -> list[dict[str, Any]]:
+    """What a recovery reads for its spans (a JSON array in ``column``): spans are a help, never a reason
+    to end a session, so a refusal (a role not granted what the query reads, say) is logged and gives none;
+    a lost connection is raised, as from any statement."""
+    try:
+        row = session.execute(query, params)
+    except psycopg.Error as exc:
+        if isinstance(exc, psycopg.OperationalError):
+            raise
+        log.warning("no recovery spans: the database refused their query (%s); the worker goes on", first_line(exc))
+        return []
+    return json.loads(row[column]) if row else []
 
 
 class ServedLane:

@@ -122,39 +122,47 @@ def _ns(moment: datetime) -> int:
 HELD_EVENTS = {"paused": "pglane.paused", "rate": "pglane.rate_limited", "lease": "pglane.lease_wait"}
 
 
-@dataclass(frozen=True)
+@dataclass
 class Held:
-    """A claim of the lane was held back: when (epoch ns), why (``HELD_EVENTS``' keys), for how long at most
-    (seconds; None: a pause until resumed); ``job``: the job that claim took, if any (a rate-limited lane's
-    claim says when the slot's next start may come: it concerns the jobs after that one)."""
+    """A spell in which the lane's claims were held back: from when (epoch ns) until when (None: still),
+    why (``HELD_EVENTS``' keys), for how long at most the first claim was told (seconds; None: a pause
+    until resumed); ``job``: the job that first claim took, if any (a rate-limited lane's claim that takes
+    a job says when the slot's next start may come: it concerns the jobs after that one)."""
 
     at: int
     reason: str
     wait_seconds: float | None
     job: int | None
+    until: int | None = None
 
 
 class Admissions:
     """What the claims of one lane in this process were told while they could start no job (a pause, the
     rate limit's turn, a strict lane's lease), kept for the ``wait`` spans of the jobs claimed after: one
-    entry each time the answer changes (a hundred claims told "paused" are one pause), the last KEEP."""
+    spell per run of the same answer (a hundred claims told "paused" are one pause), the last KEEP."""
 
     KEEP = 16
 
     def __init__(self) -> None:
         self._said: deque[Held] = deque(maxlen=self.KEEP)
-        self._last: str | None = None
+        self._open: Held | None = None  # the spell the latest answer continues
 
     def heard(self, reason: str | None, wait_seconds: float | None, job: int | None) -> None:
         """A claim answered, having taken ``job`` (None: none), held back for ``reason`` (None: not held back)."""
-        if reason != self._last and reason in HELD_EVENTS:
-            self._said.append(Held(time.time_ns(), reason, wait_seconds, job))
-        self._last = reason
+        if self._open is not None and self._open.reason == reason:
+            return
+        now = time.time_ns()
+        if self._open is not None:
+            self._open.until = now
+            self._open = None
+        if reason in HELD_EVENTS:
+            self._open = Held(now, str(reason), wait_seconds, job)
+            self._said.append(self._open)
 
     def explaining(self, job: int, queued_at: datetime | None) -> list[Held]:
-        """What was said since ``job`` was queued, but with its own claim: the part of its wait it explains."""
+        """The spells that overlap ``job``'s wait (from its enqueue on), but for one its own claim began."""
         start = _ns(queued_at) if queued_at is not None else 0
-        return [h for h in self._said if h.at >= start and h.job != job]
+        return [h for h in self._said if (h.until is None or h.until >= start) and h.job != job]
 
 
 class Attempt:
@@ -171,12 +179,13 @@ class Attempt:
                "pglane.attempt.number": attempt_number, "pglane.seq": seq, "pglane.group": group}
         tracer = _TRACER
         if queued_at is not None:
-            wait = tracer.start_span(f"wait {lane}", context=parent, start_time=min(_ns(queued_at), now),
+            start = min(_ns(queued_at), now)
+            wait = tracer.start_span(f"wait {lane}", context=parent, start_time=start,
                                      attributes=_attributes(lane, "receive", **ids))
-            for h in held or ():
+            for h in held or ():  # at the spell's start, or the job's enqueue if it came in the middle of one
                 wait.add_event(HELD_EVENTS[h.reason], {"pglane.wait_reason": h.reason}
                                | ({} if h.wait_seconds is None else {"pglane.wait_seconds": h.wait_seconds}),
-                               timestamp=min(h.at, now))
+                               timestamp=min(max(h.at, start), now))
             wait.end(end_time=now)
         self.span = tracer.start_span(f"process {lane}", context=parent, kind=SpanKind.CONSUMER, start_time=now,
                                       attributes=_attributes(lane, "process", **ids))
@@ -223,15 +232,18 @@ class Stuck:
     KEEP = 1024
 
     def __init__(self) -> None:
-        self._told: deque[int] = deque(maxlen=self.KEEP)
+        # (attempt id, lease end): an id alone is one database's; a process may serve several (or, in tests,
+        # databases cloned one after another, whose ids start again)
+        self._told: deque[tuple[int, float]] = deque(maxlen=self.KEEP)
 
     def found(self, rows: list[dict[str, Any]]) -> None:
         """A span for each attempt of queries.STUCK_TRACED's objects not written yet: from its lease's end
         to now (this recovery), with what the operator may do."""
         for row in rows:
-            if row["attempt_id"] in self._told:
+            key = (row["attempt_id"], row["lease_ends"])
+            if key in self._told:
                 continue
-            self._told.append(row["attempt_id"])
+            self._told.append(key)
             _found(row, "stuck", row["lease_ends"], time.time(),
                    f"stuck: past its lease and its worker ({row['worker']}) still connected; it is never given "
                    f"to another worker. End it with: pglane recover {row['lane']} --terminate-stuck")

@@ -11,6 +11,7 @@ import contextlib
 import json
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -232,15 +233,19 @@ def test_a_pause_and_the_rate_limits_turn_are_events_of_the_jobs_wait(
     job = pglane.enqueue(conn, "held", {})
     with serving(dsn, "held", lambda job: {}):
         wait_until(lambda: claim_answered(conn), 20, "the worker's claim of the paused lane")
+        late = pglane.enqueue(conn, "held", {})  # queued in the middle of the pause
         pglane.resume_lane(conn, "held")
-        wait_until(done(conn, job), 20, "the job, after the resume")
-        wait = one(spans, "wait held")
-    assert [e.name for e in wait.events] == ["pglane.paused"]
-    paused = wait.events[0]
-    assert paused.attributes is not None and paused.attributes["pglane.wait_reason"] == "paused"
-    assert "pglane.wait_seconds" not in paused.attributes  # paused until resumed: no end was known
-    assert wait.start_time is not None and wait.end_time is not None
-    assert wait.start_time <= paused.timestamp <= wait.end_time
+        wait_until(done(conn, late), 20, "the jobs, after the resume")
+        held = {int(str(s.attributes["messaging.message.id"])): s for s in named(spans, "wait held") if s.attributes}
+    assert set(held) == {job, late}
+    for wait in held.values():
+        assert [e.name for e in wait.events] == ["pglane.paused"]
+        paused = wait.events[0]
+        assert paused.attributes is not None and paused.attributes["pglane.wait_reason"] == "paused"
+        assert "pglane.wait_seconds" not in paused.attributes  # paused until resumed: no end was known
+        assert wait.start_time is not None and wait.end_time is not None
+        assert wait.start_time <= paused.timestamp <= wait.end_time
+    assert held[late].events[0].timestamp == held[late].start_time  # the pause was on when it came
 
     spans.clear()
     pglane.create_lane(conn, "paced", job_timeout=20, rate="1/2s")
@@ -271,6 +276,7 @@ def test_a_stuck_attempt_is_written_into_its_trace_once_by_a_worker_that_recover
     with serving(make_conninfo(dsn, user="pglane_traced_worker"), "frozen", lambda job: {}, recover_interval=0.2):
         stuck = one(spans, "stuck frozen")
         assert pglane.job_status(conn, job)["status"] == "running"  # reported, never handed to another worker
+        time.sleep(1.0)  # five more recoveries find it stuck: nothing else tells that they ran
     assert len(named(spans, "stuck frozen")) == 1  # once, however many recoveries saw it
     attempt = pglane.attempts(conn, job)[0]
     assert stuck.start_time == int(attempt["lease_expires_at"].timestamp() * 1e9)
@@ -279,3 +285,22 @@ def test_a_stuck_attempt_is_written_into_its_trace_once_by_a_worker_that_recover
     assert f"{stuck.context.trace_id:032x}" == TRACE_ID
     assert stuck.status.description is not None
     assert "pglane recover frozen --terminate-stuck" in stuck.status.description
+
+
+def test_a_refused_span_query_never_stops_the_worker(
+    conn: Any, dsn: str, spans: InMemorySpanExporter, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Spans are a help: a database that refuses what recovery reads for them (here the grant taken back)
+    # costs the spans, logged, not the session.
+    pglane.create_lane(conn, "refused", job_timeout=20)
+    conn.execute("DO $$ BEGIN CREATE ROLE pglane_traced_worker LOGIN; EXCEPTION WHEN duplicate_object THEN NULL;"
+                 " END $$")
+    conn.execute("GRANT pglane_worker TO pglane_traced_worker")
+    conn.execute("REVOKE EXECUTE ON FUNCTION pglane.stuck_attempts(text) FROM pglane_worker")
+    job = pglane.enqueue(conn, "refused", {})
+    with serving(make_conninfo(dsn, user="pglane_traced_worker"), "refused", lambda job: {}):
+        wait_until(done(conn, job), 20, "the job")
+    assert one(spans, "process refused").attributes is not None
+    assert any("no recovery spans" in r.getMessage() and "permission denied" in r.getMessage()
+               for r in caplog.records)
+    assert not any("reconnecting" in r.getMessage() for r in caplog.records)

@@ -11,7 +11,7 @@ plain one (bench/README.md "The cost of each feature"). Both are now plpgsql, wh
 the session. mark_time (the claim's record of the session's identity, sessions.sql) was declared
 IMMUTABLE over a STABLE body (timestamptz + interval), which PostgreSQL never inlines: planned at every
 claim before 18. It is now STABLE, and inlined. What they read, write and return is unchanged; so are
-their signatures and grants.
+their signatures.
 
 pglane_worker may now execute stuck_attempts(): a traced worker's recovery writes a span for each stuck
 attempt (pglane.tracing). It shows nothing a worker cannot read already (attempts, jobs).
