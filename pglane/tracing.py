@@ -8,7 +8,7 @@ trace holds, one per job attempt:
     send LANE      PRODUCER  the enqueue (pglane.enqueue and its aio twin): its context is the job's
                              ``traceparent``, which a plain INSERT from any language may also set
     wait LANE      INTERNAL  queued_at -> the claim (the lane's queue, its admission: pause, rate, lease);
-                             an event for each time the lane's claims were held back meanwhile
+                             an event for each spell of held-back claims it overlaps
                              (``pglane.paused``, ``pglane.rate_limited``, ``pglane.lease_wait``)
     process LANE   CONSUMER  the handler's call, current while it runs (a handler's own spans are its
                              children); ``pglane.outcome`` done, failed, timed_out or deferred
