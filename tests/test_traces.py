@@ -260,6 +260,28 @@ def test_a_pause_and_the_rate_limits_turn_are_events_of_the_jobs_wait(
     assert turn[0].attributes is not None and 0 < float(str(turn[0].attributes["pglane.wait_seconds"])) <= 2
 
 
+def test_a_strict_lanes_wait_for_a_lost_calls_lease_is_an_event_of_the_jobs_wait(
+    conn: Any, dsn: str, workers: Workers, ledger: Ledger, spans: InMemorySpanExporter
+) -> None:
+    pglane.create_lane(conn, "leased", job_timeout=60, takeover="after_lease")
+    first = pglane.enqueue(conn, "leased", {"sleep": 60})
+    victim = workers.start("leased")  # dies mid-call: its call may go on until the lease ends
+    wait_until(lambda: ledger.calls() == [first], 30, "the call to start")
+    victim.kill()
+    victim.wait()
+    second = pglane.enqueue(conn, "leased", {})
+    with serving(dsn, "leased", lambda job: {}):  # takes the slot, finds the attempt lost, waits for its lease
+        wait_until(lambda: pglane.attempts(conn, first)[0]["status"] == "lost" and claim_answered(conn), 20,
+                   "the attempt found lost, and the claim told to wait for its lease")
+        pglane.release_lease(conn, pglane.attempts(conn, first)[0]["id"])  # a person: that worker is stopped
+        wait_until(done(conn, second), 20, "the second job, after the release")
+        wait = one(spans, "wait leased")
+    assert [e.name for e in wait.events] == ["pglane.lease_wait"]
+    lease = wait.events[0]
+    assert lease.attributes is not None and lease.attributes["pglane.wait_reason"] == "lease"
+    assert float(str(lease.attributes["pglane.wait_seconds"])) > 0  # until the lost call's lease ends
+
+
 def test_a_stuck_attempt_is_written_into_its_trace_once_by_a_worker_that_recovers_beside_it(
     conn: Any, dsn: str, workers: Workers, ledger: Ledger, spans: InMemorySpanExporter
 ) -> None:
