@@ -93,7 +93,7 @@ class Outcome:
         """What the attempt becomes: done, failed, timed_out or deferred."""
         if self.retry_after is not None:
             return "deferred"
-        if self.error is None:
+        if self.result_json is not None:
             return "done"
         return "timed_out" if self.timed_out else "failed"
 

@@ -114,7 +114,7 @@ class Outbox:
                      job.attempt_id, job.attempt_number, outcome.retry_after, outcome.error or "no reason given")
         elif log.isEnabledFor(logging.INFO):
             log.info("lane %s job %s attempt %s (#%s) %s in %.3fs", job.lane, job.id, job.attempt_id,
-                     job.attempt_number, "done" if ok else "timed_out" if outcome.timed_out else "failed",
+                     job.attempt_number, outcome.name,
                      time.monotonic() - claim.sent_at)
 
 
