@@ -9,6 +9,8 @@ floor_rows:        floor_seq plus every other row pglane's contract writes per j
   row inserted (with the attempts' primary key, their unique (job_id, attempt_number), their
   partial index of running attempts and their foreign key to the job), in bare tables
   (floor_rows_jobs, floor_rows_attempts, floor_rows_counters) without CHECKs, triggers or guards.
+  Counted per job (bench.costs) and drained at several slots (bench.throughput): what the contract's
+  rows allow, whatever pglane's SQL does beside them.
 floor_contract:    pglane's own SQL on pglane's schema, no worker: take the slot lock, pglane.claim once,
   then pglane.complete_and_claim per job. What the worker could reach if Python cost nothing.
 floor_listen:      a bare LISTEN consumer process (``python -m bench.floors listen DSN``): wait for a
@@ -415,6 +417,19 @@ def _drain_two_commits(conn: psycopg.Connection[Any]) -> None:
         _retrying(conn, COMPLETE, {"prev": row[0]})
 
 
+def _drain_rows(conn: psycopg.Connection[Any], worker: str) -> None:
+    """floor_rows at several slots: the contract's rows per job and nothing else, claims of one lane
+    ordered by the same gapless seq (what several slots of a lane could reach under the contract)."""
+    prev: tuple[int, int] | tuple[None, None] = (None, None)
+    while True:
+        row = _retrying(conn, COMPLETE_AND_CLAIM_ROWS,
+                        {"prev": prev[0], "prev_attempt": prev[1], "result": "null", "worker": worker})
+        if row is None:
+            return
+        handler(row[2])
+        prev = (row[0], row[1])
+
+
 def _drain_contract(conn: psycopg.Connection[Any], lane: str) -> None:
     with conn.cursor(row_factory=dict_row) as cur:
         row = cur.execute(queries.CLAIM, (lane, "floor")).fetchone()
@@ -424,7 +439,7 @@ def _drain_contract(conn: psycopg.Connection[Any], lane: str) -> None:
                                                            row["token"])).fetchone()
 
 
-SERVE_KINDS = ("one_commit", "seq", "two_commits", "contract", "plpgsql", "seq_flush")
+SERVE_KINDS = ("one_commit", "seq", "rows", "two_commits", "contract", "plpgsql", "seq_flush")
 
 
 def serve_main(bare_dsn: str, contract_dsn: str, slot: int, lane: str) -> int:
@@ -447,6 +462,8 @@ def serve_main(bare_dsn: str, contract_dsn: str, slot: int, lane: str) -> int:
                 _drain_bare(bare, COMPLETE_AND_CLAIM)
             elif kind == "seq":
                 _drain_bare(bare, COMPLETE_AND_CLAIM_SEQ)
+            elif kind == "rows":
+                _drain_rows(bare, name)
             elif kind == "two_commits":
                 _drain_two_commits(bare)
             elif kind == "plpgsql":

@@ -181,8 +181,11 @@ def ratios(block: dict[str, Any]) -> dict[str, float | None]:
 
 # Reported beside the targets, not judged: how each system scales with slots, and pglane against the
 # floors at the same concurrency (floor keeps all of pglane's guarantees: it is pglane's SQL;
-# floor_seq keeps only the gapless seq; floor_one_commit none).
-SCALING = ("pglane", "floor", "floor_seq", "floor_one_commit", "procrastinate", "pgqueuer")
+# floor_rows writes only the contract's rows; floor_seq keeps only the gapless seq; floor_one_commit none),
+# and what pglane's SQL (floor) and the contract's rows alone (floor_rows) reach against the better peer:
+# the bound on pglane/best_peer at that concurrency.
+SCALING = ("pglane", "floor", "floor_rows", "floor_seq", "floor_one_commit", "procrastinate", "pgqueuer")
+FLOORS = ("floor", "floor_rows", "floor_seq", "floor_one_commit")
 
 
 def concurrency_ratios(block: dict[str, Any]) -> list[dict[str, Any]]:
@@ -190,9 +193,12 @@ def concurrency_ratios(block: dict[str, Any]) -> list[dict[str, Any]]:
     for entry in block.get("concurrency", []):
         n = entry["slots"]
         row: dict[str, Any] = {"slots": n}
-        for name in ("floor", "floor_seq", "floor_one_commit"):
+        for name in FLOORS:
             value, interval = paired(block, ("pglane", n), [(name, n)])
             row[f"pglane/{name}"] = {"value": value, "interval_90": list(interval) if interval else None}
+        for name in ("floor", "floor_rows"):
+            value, interval = paired(block, (name, n), [(peer, n) for peer in PEERS])
+            row[f"{name}/best_peer"] = {"value": value, "interval_90": list(interval) if interval else None}
         for name in SCALING:
             value, interval = paired(block, (name, n), [(name, 1)])
             row[f"{name} slots{n}/slots1"] = {"value": value, "interval_90": list(interval) if interval else None}
@@ -281,7 +287,7 @@ def markdown(doc: dict[str, Any]) -> str:
     parts.append(_table(["system (one slot)", "jobs/s (median)", "range", "wake p50 ms", "p95 ms", "p99 ms"], rows))
     conc = doc.get("concurrency", [])
     if conc:
-        names = [n for n in ("pglane", "procrastinate", "pgqueuer", "floor", "floor_seq", "floor_one_commit")
+        names = [n for n in ("pglane", "procrastinate", "pgqueuer", *FLOORS)
                  if any(n in e["results"] for e in conc)]
         crow = []
         for e in conc:

@@ -9,7 +9,8 @@ at the beginning and left idle between drains:
   another's jobs or notifications;
 - the floors, N processes of ``python -m bench.floors serve`` (process i holds slot i of lane
   ``floor_slotsN``), each able to drain every floor: ``floor`` (floor_contract: pglane's own SQL in a
-  bare loop), ``floor_seq`` (a bare table with the lane's gapless seq bumped under a row lock in the
+  bare loop), ``floor_rows`` (the contract's rows per job in bare tables, claims ordered by the gapless
+  seq: bench.floors), ``floor_seq`` (a bare table with the lane's gapless seq bumped under a row lock in the
   claim's transaction: the guarantee that serialises a lane's claims, and nothing else) and
   ``floor_one_commit`` (the bare table without it); ``floor_two_commits`` at one slot only.
 
@@ -47,13 +48,14 @@ import psycopg
 
 from pglane import client
 
-from . import procs, real
+from . import floors, procs, real
 from .pglane_runs import Pglane, load_queued, truncate
 from .server import BenchServer
 from .stats import BenchTimeout, Sizes, progress, rotations, summary, wait_until
 
 SLOT_COUNTS = (1, 3, 8)
-SYSTEMS = ("pglane", "procrastinate", "pgqueuer", "floor", "floor_seq", "floor_one_commit", "floor_two_commits")
+SYSTEMS = ("pglane", "procrastinate", "pgqueuer", "floor", "floor_rows", "floor_seq", "floor_one_commit",
+           "floor_two_commits")
 ONE_SLOT_ONLY = ("floor_two_commits",)
 WARMUP_JOBS = 200
 MIN_JOBS = 100  # a drain's end is the system's own timestamp: short drains lose no accuracy
@@ -214,7 +216,8 @@ class FloorPool:
 
 
 class FloorGroup(Group):
-    KINDS: ClassVar[dict[str, str]] = {"floor": "contract", "floor_seq": "seq", "floor_one_commit": "one_commit",
+    KINDS: ClassVar[dict[str, str]] = {"floor": "contract", "floor_rows": "rows", "floor_seq": "seq",
+                                       "floor_one_commit": "one_commit",
                                        "floor_two_commits": "two_commits", "floor_plpgsql": "plpgsql",
                                        "floor_seq_flush": "seq_flush"}
 
@@ -244,6 +247,8 @@ class FloorGroup(Group):
             if self.kind == "contract":
                 truncate(conn)
                 load_queued(conn, self.pool.lane, n)
+            elif self.kind == "rows":
+                floors.preload_rows(server.dsn(self.db), n)
             else:
                 conn.execute("TRUNCATE floor_jobs")
                 conn.execute("INSERT INTO floor_jobs (payload) SELECT jsonb_build_object('n', g)"
