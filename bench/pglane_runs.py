@@ -129,13 +129,19 @@ def truncate(conn: psycopg.Connection[Any]) -> None:
 
 
 class Pglane(RealSystem):
-    """pglane's real worker on one lane (default: the bench lane) of database bench_pglane."""
+    """pglane's real worker on one lane (default: the bench lane) of database bench_pglane.
+
+    It logs warnings only (``--quiet``), as every other consumer here does: the peers run with no logging
+    set up (so their per-job INFO lines are never formatted) and the floors log nothing. pglane's default,
+    a line per job, costs the worker about 60 µs of CPU per job (``python -m bench --only profile``
+    measures it: "a line per job"); ``per_job_lines=True`` runs it so."""
 
     name = "pglane"
     db = "pglane"
 
-    def __init__(self, lane: str = LANE) -> None:
+    def __init__(self, lane: str = LANE, *, per_job_lines: bool = False) -> None:
         self.lane = lane
+        self.per_job_lines = per_job_lines
         self.remaining_sql = (
             f"SELECT count(*) FROM (SELECT 1 FROM pglane.jobs WHERE lane = '{lane}' AND in_queue"
             " UNION ALL SELECT 1 FROM pglane.attempts a JOIN pglane.jobs j ON j.id = a.job_id"
@@ -157,7 +163,7 @@ class Pglane(RealSystem):
 
     def worker(self, dsn: str, handler: str, lane: str | None = None) -> tuple[list[str], dict[str, str]]:
         return (["-m", "pglane", "worker", lane or self.lane, "--handler", f"bench.handlers:{handler}",
-                 "--poll-interval", "5"], {"PGLANE_DSN": dsn})
+                 "--poll-interval", "5", *([] if self.per_job_lines else ["--quiet"])], {"PGLANE_DSN": dsn})
 
     def bulk_enqueue(self, dsn: str, n: int) -> float:
         with psycopg.connect(dsn, autocommit=True) as conn:

@@ -2,8 +2,9 @@
 
 It runs alone (not in a server's run of ``python -m bench``), on its own embedded server (or PGLANE_DSN) it measures:
 1. throughput, interleaved: floor_contract (sync psycopg), the same loop on async psycopg, the real
-   worker, and the worker with its handler awaited directly (BENCH_EXPERIMENT=lean-call, see
-   bench.handlers): splits the gap into async driver, call scaffolding and the rest of the worker;
+   worker (warnings only, as the floors log nothing), the worker with its default log line per job, and
+   the worker with its handler awaited directly (BENCH_EXPERIMENT=lean-call, see bench.handlers):
+   splits the gap into async driver, logging, call scaffolding and the rest of the worker;
 2. the worker under cProfile (BENCH_PROFILE, see bench.handlers): calls per job and own time;
 3. server side: pg_stat_statements with track=all around floor_contract: each statement inside
    pglane.claim / complete / complete_and_claim, its calls and mean time;
@@ -256,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     out: list[str] = []
     with bench_server() as server:
-        pglane = Pglane()
+        pglane = Pglane()  # logs warnings only, as the floors; lined: pglane's default, a line per job
+        lined = Pglane(per_job_lines=True)
         pglane.setup(server.dsn("pglane"))
         floors.setup(server.dsn("floor"))
         floors.FloorListenContract().setup(server.dsn("contract"))
@@ -265,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             "floor_contract (sync)": lambda: floors.throughput(server, "floor_contract", args.jobs),
             "floor_contract (async psycopg)": lambda: contract_async(dsn, args.jobs),
             "pglane worker": lambda: real.throughput(server, pglane, args.jobs, logs),
+            "pglane worker, a line per job": lambda: real.throughput(server, lined, args.jobs, logs),
             "pglane worker, lean _call": lambda: real.throughput(server, Experiment("lean-call"), args.jobs, logs),
         }
         for name, run in loops.items():
