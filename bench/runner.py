@@ -199,6 +199,8 @@ SCENARIOS: dict[str, Scenario] = {  # the parts of a server's run first, in the 
     "lanes": Scenario("1,000 one-slot lanes in one process: its connections, idle CPU, wake against a one-lane"
                       " worker; 100 busy lanes in one process against 100 processes and floor_one_commit",
                       module="lanes"),
+    "clients": Scenario("the consumer's own instructions per job (callgrind): the worker against"
+                        " floor_contract's bare loop, with and without its line per job", module="clients"),
     "otel": Scenario("a worker's throughput and CPU per job without the OpenTelemetry API, with it and no SDK,"
                      " and with an SDK exporting every span (#36)", module="otel"),
 }

@@ -1,0 +1,129 @@
+"""``python -m bench --only clients [--big N] [--small N] [--rounds R]``: the consumer's own instructions per
+job, counted by callgrind: the real worker against floor_contract's bare loop (the same SQL, no worker).
+
+Wall-clock ratios on 2 shared cores move by 20 % between runs, and a consumer's CPU time read from the
+kernel by 15 %: neither can see a change of a few percent in the worker's Python. ``valgrind
+--tool=callgrind`` counts every instruction the client process executes, all its threads together,
+the same figure for the same work whatever else the machine does. Each consumer drains N preloaded
+no-op jobs of its lane in a process of its own, run from start to exit under callgrind (the worker with
+``--max-jobs N``); its figure per job is the difference between a drain of ``--big`` and one of
+``--small`` jobs, over their difference: start-up, imports and shut-down cancel out.
+
+Consumers:
+- ``pglane worker``: ``python -m pglane worker --quiet`` (warnings only, as the floor logs nothing);
+- ``pglane worker, a line per job``: the same with its default logging, a line per job;
+- ``floor_contract``: bench.floors' contract loop (``pglane.claim`` once, then
+  ``pglane.complete_and_claim`` per job, sync psycopg, no handler call).
+
+What it does not count: the server (bench.callgrind and bench.costs count that), the kernel's side of
+the round trips, and time. Under valgrind the process runs some 50 times slower, so what the worker does
+on timers (its lane's recovery every interval, the liveness checks of an idle session) is counted more
+often than at full speed: the two drain sizes differ by about as many intervals as jobs, a few in 500.
+The rounds' spread says how much that moves the figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import psycopg
+
+from . import callgrind, floors, procs
+from .pglane_runs import LANE, Pglane, load_queued, truncate
+from .server import bench_server
+from .stats import progress, progress_done
+
+WORKER = ["-m", "pglane", "worker", LANE, "--handler", "bench.handlers:noop"]
+FLOOR = ["-c", "import sys; from bench import floors; floors.contract(sys.argv[1], int(sys.argv[2]))"]
+
+
+def _preload_lane(dsn: str, n: int) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        truncate(conn)
+        load_queued(conn, LANE, n)
+
+
+# name: (preload n jobs, the process's arguments for n jobs at a DSN)
+CONSUMERS: dict[str, tuple[Callable[[str, int], None], Callable[[str, int], list[str]]]] = {
+    "pglane worker": (_preload_lane, lambda dsn, n: [*WORKER, "--quiet", "--max-jobs", str(n)]),
+    "pglane worker, a line per job": (_preload_lane, lambda dsn, n: [*WORKER, "--max-jobs", str(n)]),
+    "floor_contract": (floors.contract_preload, lambda dsn, n: [*FLOOR, dsn, str(n)]),
+}
+
+
+def instructions(argv: list[str], dsn: str, scratch: Path) -> int:
+    """The instructions ``python argv`` executes from start to exit, every thread (callgrind)."""
+    for old in scratch.glob("client.*"):
+        old.unlink()
+    subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={scratch}/client.%p", sys.executable,
+                    *argv], cwd=procs.ROOT, env={**os.environ, "PGLANE_DSN": dsn,
+                                                "PYTHONPATH": os.pathsep.join(filter(None, [
+                                                    str(procs.ROOT), os.environ.get("PYTHONPATH")]))},
+                   check=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    parts = list(scratch.glob("client.*"))
+    if not parts:
+        raise RuntimeError(f"callgrind wrote nothing for {argv}")
+    return sum(callgrind.total(part) for part in parts)
+
+
+def per_job(name: str, dsn: str, big: int, small: int, scratch: Path) -> float:
+    """One round: consumer ``name``'s instructions per job, (I(big) - I(small)) / (big - small)."""
+    preload, argv = CONSUMERS[name]
+    counted = {}
+    for n in (big, small):
+        preload(dsn, n)
+        counted[n] = instructions(argv(dsn, n), dsn, scratch)
+    return (counted[big] - counted[small]) / (big - small)
+
+
+def measure(dsn: str, big: int, small: int, rounds: int, names: list[str] | None = None) -> dict[str, list[float]]:
+    """Every consumer's instructions per job in each round (rounds interleaved)."""
+    runs: dict[str, list[float]] = {name: [] for name in names or CONSUMERS}
+    with tempfile.TemporaryDirectory(prefix="bench-clients-") as tmp:
+        for r in range(rounds):
+            for name in runs:
+                progress(f"clients: {name} (round {r + 1}/{rounds})")
+                runs[name].append(per_job(name, dsn, big, small, Path(tmp)))
+    progress_done()
+    return runs
+
+
+def report(runs: dict[str, list[float]], big: int, small: int) -> list[str]:
+    """One line per consumer: its median per job, its rounds, and its ratio to floor_contract's median."""
+    floor = statistics.median(runs["floor_contract"]) if runs.get("floor_contract") else None
+    rounds = len(next(iter(runs.values())))
+    lines = [f"the consumer's own instructions per job (callgrind, {big} jobs less {small}, {rounds} rounds)"]
+    for name, values in runs.items():
+        median = statistics.median(values)
+        ratio = f"  x{median / floor:.2f} floor_contract" if floor else ""
+        lines.append(f"  {name:<30} {median:>10,.0f}  ({' '.join(f'{x:,.0f}' for x in values)}){ratio}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench --only clients")
+    parser.add_argument("--big", type=int, default=600, help="jobs of the larger drain (default 600)")
+    parser.add_argument("--small", type=int, default=100, help="jobs of the smaller drain (default 100)")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args(argv)
+    if (why := callgrind.available()) is not None:
+        raise SystemExit(f"cannot count instructions: {why}")
+    if args.big <= args.small:
+        raise SystemExit("--big must be more jobs than --small")
+    with bench_server() as server:
+        dsn = server.dsn("pglane")
+        Pglane().setup(dsn)
+        runs = measure(dsn, args.big, args.small, args.rounds)
+    print("\n".join(report(runs, args.big, args.small)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
