@@ -13,7 +13,7 @@ Consumers:
 - ``pglane worker``: ``python -m pglane worker --quiet`` (warnings only, as the floor logs nothing);
 - ``pglane worker, a line per job``: the same with its default logging, a line per job;
 - ``floor_contract``: bench.floors' contract loop (``pglane.claim`` once, then
-  ``pglane.complete_and_claim`` per job, sync psycopg, no handler call).
+  ``pglane.complete_and_claim`` per job, sync psycopg, its handler a plain function call).
 
 What it does not count: the server (bench.callgrind and bench.costs count that), the kernel's side of
 the round trips, and time. Under valgrind the process runs some 50 times slower, so what the worker does
@@ -58,15 +58,23 @@ CONSUMERS: dict[str, tuple[Callable[[str, int], None], Callable[[str, int], list
 }
 
 
+RUN_TIMEOUT = 600.0  # seconds for one counted process: some 50 times slower under valgrind
+# bench.handlers reads these: a profiled or patched worker is not the one counted
+NOT_PASSED = ("BENCH_PROFILE", "BENCH_EXPERIMENT")
+
+
 def instructions(argv: list[str], dsn: str, scratch: Path) -> int:
     """The instructions ``python argv`` executes from start to exit, every thread (callgrind)."""
     for old in scratch.glob("client.*"):
         old.unlink()
-    subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={scratch}/client.%p", sys.executable,
-                    *argv], cwd=procs.ROOT, env={**os.environ, "PGLANE_DSN": dsn,
-                                                "PYTHONPATH": os.pathsep.join(filter(None, [
-                                                    str(procs.ROOT), os.environ.get("PYTHONPATH")]))},
-                   check=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    env = {k: v for k, v in os.environ.items() if k not in NOT_PASSED}
+    env.update(PGLANE_DSN=dsn, PYTHONPATH=os.pathsep.join(filter(None, [str(procs.ROOT), env.get("PYTHONPATH")])))
+    done = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={scratch}/client.%p",
+                           sys.executable, *argv], cwd=procs.ROOT, env=env, stdin=subprocess.DEVNULL,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=RUN_TIMEOUT)
+    if done.returncode != 0:
+        raise RuntimeError(f"{argv} exited {done.returncode} under callgrind: "
+                           f"{done.stderr.decode(errors='replace')[-2000:]}")
     parts = list(scratch.glob("client.*"))
     if not parts:
         raise RuntimeError(f"callgrind wrote nothing for {argv}")

@@ -12,7 +12,7 @@ from bench import floors, procs, throughput
 from bench.server import BenchServer, with_db
 from pglane import client, schema
 
-SLOTS, JOBS = 3, 300
+SLOTS, JOBS = 3, 900
 
 
 def test_floor_rows_at_three_slots_drains_every_job_once_in_one_gapless_order(dsn: str, tmp_path: Path) -> None:
@@ -31,7 +31,7 @@ def test_floor_rows_at_three_slots_drains_every_job_once_in_one_gapless_order(ds
     try:
         pool.start(server, tmp_path)
         group.prepare(server, JOBS)
-        assert group.run(server, JOBS) > 0
+        group.run(server, JOBS)  # every process answered done
     finally:
         for proc in pool.procs:  # EOF on stdin ends a floor process
             assert proc.stdin is not None
@@ -52,4 +52,6 @@ def test_floor_rows_at_three_slots_drains_every_job_once_in_one_gapless_order(ds
         workers = conn.execute("SELECT count(DISTINCT worker) FROM floor_rows_attempts").fetchone()
     assert jobs == (JOBS, JOBS)
     assert attempts == (JOBS, JOBS, True)
-    assert workers is not None and 1 <= workers[0] <= SLOTS  # named by slot: bench floor LANE SLOT
+    # claimed at once by more than one process (each names its slot): a drain of about a second, begun by
+    # the three within milliseconds of each other
+    assert workers is not None and 2 <= workers[0] <= SLOTS
