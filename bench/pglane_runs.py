@@ -133,8 +133,9 @@ class Pglane(RealSystem):
 
     It logs warnings only (``--quiet``), as every other consumer here does: the peers run with no logging
     set up (so their per-job INFO lines are never formatted) and the floors log nothing. pglane's default,
-    a line per job, costs the worker about 60 µs of CPU per job (``python -m bench --only profile``
-    measures it: "a line per job"); ``per_job_lines=True`` runs it so."""
+    a line per job, costs the worker about 93,000 instructions a job (``python -m bench --only clients``)
+    and a one-slot no-op drain 8-11 % of its jobs/s (``--only profile``: "a line per job");
+    ``per_job_lines=True`` runs it so."""
 
     name = "pglane"
     db = "pglane"

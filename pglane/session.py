@@ -114,7 +114,8 @@ class Session:
                 self._read_answer(deadline)
             cur = self.conn.execute(query, params)
             # Whether it returned rows, from the result's status: cur.description builds a Column per field
-            # (15 for a claim) at every statement, about 3 % of a no-op drain (python -m bench --only profile).
+            # (15 for a claim) at every statement: 30 % of the worker's own instructions per job
+            # (python -m bench --only clients, bench/README.md).
             res = cur.pgresult
             return cur.fetchone() if res is not None and res.status == pq.ExecStatus.TUPLES_OK else None
         finally:
