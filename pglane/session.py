@@ -97,6 +97,10 @@ class Session:
         self._fuse = Fuse(conn.fileno())
         self._fuse.start()
         self.unanswered = False  # a liveness question whose answer is still to be read (module doc)
+        # Every statement runs on this one cursor (its row is returned, never the cursor): a cursor made per
+        # statement (conn.execute) copies the connection's adapters each time, 17 % of the worker's own
+        # instructions per job (python -m bench --only clients, bench/README.md).
+        self._cursor = conn.cursor()
 
     @property
     def closed(self) -> bool:
@@ -112,7 +116,7 @@ class Session:
         try:
             if self.unanswered:  # first the answer to the question a finished call left open
                 self._read_answer(deadline)
-            cur = self.conn.execute(query, params)
+            cur = self._cursor.execute(query, params)
             # Whether it returned rows, from the result's status: cur.description builds a Column per field
             # (15 for a claim) at every statement: 30 % of the worker's own instructions per job
             # (python -m bench --only clients, bench/README.md).

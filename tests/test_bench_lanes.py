@@ -46,7 +46,9 @@ def test_the_lanes_bench_measures_every_part_and_runs_each_job_once(dsn: str, tm
     for who in ("many", "one"):
         assert wake[who]["n"] == SAMPLES and wake[who]["p50_ms"] > 0
     low, high = wake["many/one"]["interval_90"]
-    assert 0 < low <= high and wake["many/one"]["p50_ratio"] > 0 and wake["many/one"]["verdict"] in verdicts
+    # A sample may be negative: the producer reads its clock after its commit returns, and on a loaded
+    # machine the worker can start the job before that (bench.lanes.wake): so may a resampled ratio.
+    assert low <= high and wake["many/one"]["p50_ratio"] > 0 and wake["many/one"]["verdict"] in verdicts
 
     tp = found["throughput"]
     assert len(tp["rounds"]) == ROUNDS
