@@ -18,8 +18,9 @@ Consumers:
 What it does not count: the server (bench.callgrind and bench.costs count that), the kernel's side of
 the round trips, and time. Under valgrind the process runs some 50 times slower, so what the worker does
 on timers (its lane's recovery every interval, the liveness checks of an idle session) is counted more
-often than at full speed: the two drain sizes differ by about as many intervals as jobs, a few in 500.
-The rounds' spread says how much that moves the figure.
+often than at full speed, a few million instructions a run on a loaded machine: against 500 jobs' worth
+(140 million for the worker) that is the rounds' 1-2 % spread; keep ``--big`` hundreds of jobs above
+``--small``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import psycopg
 from . import callgrind, floors, procs
 from .pglane_runs import LANE, Pglane, load_queued, truncate
 from .server import bench_server
-from .stats import progress, progress_done
+from .stats import progress, progress_done, wait_until
 
 WORKER = ["-m", "pglane", "worker", LANE, "--handler", "bench.handlers:noop"]
 FLOOR = ["-c", "import sys; from bench import floors; floors.contract(sys.argv[1], int(sys.argv[2]))"]
@@ -81,12 +82,25 @@ def instructions(argv: list[str], dsn: str, scratch: Path) -> int:
     return sum(callgrind.total(part) for part in parts)
 
 
+def _slots_free(dsn: str) -> None:
+    """Wait until no session holds an advisory lock in the database: the previous run's backend may still
+    hold its slot for a moment after its client exited, and a worker started then would wait as a standby,
+    its waiting counted as if it were work."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        def free() -> bool:
+            row = conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND database ="
+                               " (SELECT oid FROM pg_database WHERE datname = current_database())").fetchone()
+            return row is not None and row[0] == 0
+        wait_until(free, 30, "the previous run's slot to be released")
+
+
 def per_job(name: str, dsn: str, big: int, small: int, scratch: Path) -> float:
     """One round: consumer ``name``'s instructions per job, (I(big) - I(small)) / (big - small)."""
     preload, argv = CONSUMERS[name]
     counted = {}
     for n in (big, small):
         preload(dsn, n)
+        _slots_free(dsn)
         counted[n] = instructions(argv(dsn, n), dsn, scratch)
     return (counted[big] - counted[small]) / (big - small)
 
