@@ -26,7 +26,6 @@ often than at full speed, a few million instructions a run on a loaded machine: 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -68,8 +67,7 @@ def instructions(argv: list[str], dsn: str, scratch: Path) -> int:
     """The instructions ``python argv`` executes from start to exit, every thread (callgrind)."""
     for old in scratch.glob("client.*"):
         old.unlink()
-    env = {k: v for k, v in os.environ.items() if k not in NOT_PASSED}
-    env.update(PGLANE_DSN=dsn, PYTHONPATH=os.pathsep.join(filter(None, [str(procs.ROOT), env.get("PYTHONPATH")])))
+    env = procs.child_env({"PGLANE_DSN": dsn}, without=NOT_PASSED)
     done = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={scratch}/client.%p",
                            sys.executable, *argv], cwd=procs.ROOT, env=env, stdin=subprocess.DEVNULL,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=RUN_TIMEOUT)

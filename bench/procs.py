@@ -54,10 +54,18 @@ def has_stamp(path: Path, n: int) -> Callable[[], bool]:
     return lambda: n in read_stamps(path)
 
 
+def child_env(env: dict[str, str] | None = None, *, without: tuple[str, ...] = ()) -> dict[str, str]:
+    """The environment of a ``python`` child run from the repository root: this one's, less ``without``,
+    plus ``env``, the root first on PYTHONPATH (so the checkout's pglane and bench are the ones imported)."""
+    found = {k: v for k, v in os.environ.items() if k not in without}
+    found.update(env or {})
+    found["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return found
+
+
 def spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """Start ``python ARGS`` from the repository root, stderr and stdout to ``log``."""
-    full_env = {**os.environ, **(env or {})}
-    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    full_env = child_env(env)
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("ab") as out:
         return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=full_env, stdin=subprocess.DEVNULL,

@@ -182,8 +182,7 @@ class FloorPool:
         self.started = False
 
     def start(self, server: BenchServer, logs: Path) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(procs.ROOT),
-                                                                          os.environ.get("PYTHONPATH")]))}
+        env = procs.child_env()
         for i in range(self.slots):
             args = ["-m", "bench.floors", "serve", server.dsn(self.bare_db), server.dsn(self.contract_db), str(i + 1),
                     self.lane]
