@@ -69,7 +69,11 @@ END $$;
 -- change and the row's pending starts, rate_start; any other lane hands in 0 and none), and with it
 -- the lane's round (groups.sql); the job becomes running and its attempt row records the claiming
 -- session's identity (pid and mark, sessions.sql), which recovery later checks. Lock order: the job,
--- then the counters row, then the attempt. On a paused lane (pause.sql) the seq is not bumped and
+-- then the counters row, then the attempt. The hold: every other slot of the lane waits for the
+-- counters row from the bump until this claim's commit is flushed (a rate-limited lane's, from
+-- rate_start's check), so only what carries the seq follows the bump (the job's UPDATE, the attempt's
+-- INSERT); the session's mark, which a first claim takes and later claims check with three lock
+-- calls, is read before it (a lock private to this session: no other session ever waits for it). On a paused lane (pause.sql) the seq is not bumped and
 -- nothing is written: the claim answers with the pause's end (the check is in the counters UPDATE's
 -- WHERE, so a claim that waited for a pause's commit re-reads it). A job's own job_timeout is handed
 -- to the worker, never above the lane's.
@@ -80,6 +84,7 @@ DECLARE
     v_mark bigint;  -- the claiming session's mark (sessions.sql)
     r      pglane.claimed;
 BEGIN
+    v_mark := pglane.session_mark();  -- the claiming session's identity (sessions.sql), before the hold
     UPDATE pglane.lane_counters c
        SET last_seq = c.last_seq + 1,
            left_queue = c.left_queue + (p_lane.max_queued IS NOT NULL)::integer,
@@ -100,7 +105,6 @@ BEGIN
               j.traceparent, j.created_at
          INTO r.job_id, r.attempt_number, r.payload, r.idempotency_key, r.job_timeout, r.traceparent, r.queued_at;
     r.lease_expires_at := p_at + p_lane.lease_timeout;
-    v_mark := pglane.session_mark();  -- the claiming session's identity (sessions.sql)
     INSERT INTO pglane.attempts AS a
            (job_id, attempt_number, worker, backend_pid, backend_start, session_mark, started_at, lease_expires_at,
             seq, token)
