@@ -73,10 +73,10 @@ END $$;
 -- counters row from the bump until this claim's commit is flushed (a rate-limited lane's, from
 -- rate_start's check), so only what carries the seq follows the bump (the job's UPDATE, the attempt's
 -- INSERT); the session's mark, which a first claim takes and later claims check with three lock
--- calls, is read before it (a lock private to this session: no other session ever waits for it). On a paused lane (pause.sql) the seq is not bumped and
--- nothing is written: the claim answers with the pause's end (the check is in the counters UPDATE's
--- WHERE, so a claim that waited for a pause's commit re-reads it). A job's own job_timeout is handed
--- to the worker, never above the lane's.
+-- calls, is read before it (a lock private to this session: no other session ever waits for it).
+-- On a paused lane (pause.sql) the seq is not bumped and nothing is written: the claim answers with
+-- the pause's end (the check is in the counters UPDATE's WHERE, so a claim that waited for a pause's
+-- commit re-reads it). A job's own job_timeout is handed to the worker, never above the lane's.
 CREATE OR REPLACE FUNCTION pglane.take(p_lane pglane.lanes, p_job pglane.picked, p_worker text, p_at timestamptz,
                                        p_window_change bigint, p_pending_starts timestamptz[]) RETURNS pglane.claimed
 LANGUAGE plpgsql AS $$
