@@ -70,10 +70,12 @@ END $$;
 -- the lane's round (groups.sql); the job becomes running and its attempt row records the claiming
 -- session's identity (pid and mark, sessions.sql), which recovery later checks. Lock order: the job,
 -- then the counters row, then the attempt. The hold: every other slot of the lane waits for the
--- counters row from the bump until this claim's commit is flushed (a rate-limited lane's, from
--- rate_start's check), so only what carries the seq follows the bump (the job's UPDATE, the attempt's
--- INSERT); the session's mark, which a first claim takes and later claims check with three lock
--- calls, is read before it (a lock private to this session: no other session ever waits for it).
+-- counters row from the bump until this claim's commit is flushed, so on a plain lane only what
+-- carries the seq (the job's UPDATE, the attempt's INSERT) and a grouped job's round (served) follow
+-- the bump; the session's mark, which a first claim takes and later claims check with three lock
+-- calls, is read before it (a lock private to this session: no other session ever waits for it). A
+-- strict, grouped (group_slots), weighted or rate-limited lane locks the counters row earlier, in its
+-- admission (strict.sql, groups.sql, rate.sql), and holds it from there.
 -- On a paused lane (pause.sql) the seq is not bumped and nothing is written: the claim answers with
 -- the pause's end (the check is in the counters UPDATE's WHERE, so a claim that waited for a pause's
 -- commit re-reads it). A job's own job_timeout is handed to the worker, never above the lane's.

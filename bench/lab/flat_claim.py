@@ -8,7 +8,8 @@ lane through complete_and_claim) of three databases, interleaved in one cluster:
 - ``layered``: pglane at head;
 - ``flat``: head with complete_and_claim replaced by bench/lab/flat_claim.sql, the same work for a
   plain lane written out in one function (the fast paths of the six it calls), checked first to drain
-  jobs as head does (every job done once, one attempt each, seqs gapless);
+  jobs on that fast path as head does (every job done once, one attempt each, seqs gapless; its slower
+  paths call head's functions and are not exercised here);
 - ``flat_unguarded``: ``flat`` without two of the guarantees beside the contract's rows, the attempts'
   CHECK (an attempt is never both finished and running) and the waiters' trigger (``enqueue --wait``
   is told when its job ends): what a claim flattened and stripped of those would cost.

@@ -2,9 +2,10 @@
 -- plain lane's completion and claim flattened into this one plpgsql function, with the fast paths of
 -- complete_impl (a matching token), claim_slot (the slot the session says it holds), pick, take and
 -- session_mark (the mark the session says it holds) written out in it instead of called. Any other
--- lane, and any slower path, calls the layered functions as head does. The same reads, writes, locks
--- and answers as head for every lane: a measurement of what the layering costs, never installed by a
--- migration.
+-- lane, and any slower path (no token or a wrong one, a slot or mark the session does not hold), calls
+-- the layered functions after its own try, which reads again (and may log a second "you don't own a
+-- lock" WARNING). The same rows written and answers as head; on the fast path the same locks too: a
+-- measurement of what the layering costs, never installed by a migration.
 CREATE OR REPLACE FUNCTION pglane.complete_and_claim(p_attempt_id bigint, p_result jsonb, p_lane text, p_worker text,
                                                      p_token uuid DEFAULT NULL)
 RETURNS pglane.claimed
